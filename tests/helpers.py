@@ -1,0 +1,21 @@
+"""The one tree comparison helper, and small shared fixtures' building blocks."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def tree_allclose(a, b, *, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+    """Asserts two pytrees have the same structure, shapes, dtypes and close values."""
+    leaves_a, def_a = jax.tree_util.tree_flatten_with_path(a)
+    leaves_b, def_b = jax.tree_util.tree_flatten_with_path(b)
+    assert def_a == def_b, f"structure differs:\n{def_a}\n{def_b}"
+    for (path, x), (_, y) in zip(leaves_a, leaves_b):
+        where = jax.tree_util.keystr(path)
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape, f"{where}: shape {x.shape} != {y.shape}"
+        assert x.dtype == y.dtype, f"{where}: dtype {x.dtype} != {y.dtype}"
+        np.testing.assert_allclose(
+            x.astype(np.float64), y.astype(np.float64), rtol=rtol, atol=atol, err_msg=where
+        )

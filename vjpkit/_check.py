@@ -1,0 +1,49 @@
+"""Trace-time checks that a pytree matches an expected one, leaf by leaf.
+
+Contract: :func:`check_like` compares pytree structure, then each leaf's shape and dtype, and
+raises the given error class with the tree path, the expected value and the actual value.
+It never casts. Leaves are anything with ``.shape`` and ``.dtype`` (arrays, tracers,
+``jax.ShapeDtypeStruct``); ``None`` marks an absent subtree, as in JAX.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._records import _describe
+
+
+def spec(x: Any) -> str:
+    """``float32[4,3]`` for an array-like, ``repr`` for anything else."""
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        return f"{type(x).__name__} {x!r}"
+    return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+
+
+def check_like(expected: Any, got: Any, *, what: str, error: type[Exception], hint: str = "") -> None:
+    """Raises ``error`` unless ``got`` has the structure, shapes and dtypes of ``expected``.
+
+    Args:
+        expected: the reference pytree.
+        got: the pytree to check.
+        what: who and which field, e.g. ``"layer 'fc2' (call 0), field grad_params"``.
+        error: the exception class to raise.
+        hint: a sentence appended to the message (what to do).
+    """
+    tail = f" {hint}" if hint else ""
+    exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(expected)
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
+    if exp_def != got_def:
+        raise error(
+            f"{what}: wrong pytree structure. Expected {_describe(expected)}, got {_describe(got)}.{tail}"
+        )
+    for (path, e), (_, g) in zip(exp_leaves, got_leaves):
+        where = f"{what}, path {jax.tree_util.keystr(path) or '(root)'}"
+        if getattr(g, "shape", None) is None or getattr(g, "dtype", None) is None:
+            raise error(f"{where}: expected an array {spec(e)}, got {spec(g)}.{tail}")
+        if tuple(g.shape) != tuple(e.shape) or np.dtype(g.dtype) != np.dtype(e.dtype):
+            raise error(f"{where}: expected {spec(e)}, got {spec(g)}. There is no silent cast.{tail}")

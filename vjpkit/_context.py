@@ -1,0 +1,133 @@
+"""Trace-time state: layer names, call counters and the active hook scope.
+
+Contract: a :class:`Scope` exists only while a vjpkit transform (``vk.grad``, ...) traces the
+function it was given. Outside one, :func:`current` is ``None`` and layers are plain functions.
+Layer names come from :func:`name_scope`, which combinators push around their children; the
+full name joins the stack with ``/``. Hook configuration lives in the scope, which belongs to
+one transformed function: nothing here is global configuration, only a thread-local stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from ._errors import ConfigError
+
+_local = threading.local()
+
+
+def _stack(attr: str) -> list:
+    if not hasattr(_local, attr):
+        setattr(_local, attr, [])
+    return getattr(_local, attr)
+
+
+@dataclasses.dataclass
+class Scope:
+    """Hooks of one vjpkit transform, and what its trace has seen so far.
+
+    Attributes:
+        hooks: ``(glob, (hook, ...))`` pairs, in the user's order.
+        transform: the public name of the transform, for error messages.
+        calls: the number of calls seen per layer name in this forward pass.
+        keys: call keys (``name`` or ``name#k``) in forward order.
+        matched: the globs that matched at least one layer.
+    """
+
+    hooks: Sequence[tuple[str, tuple[Callable, ...]]]
+    transform: str = "vk.grad"
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    keys: list[str] = dataclasses.field(default_factory=list)
+    matched: set[str] = dataclasses.field(default_factory=set)
+
+    def register(self, name: str) -> int:
+        """Counts one call of layer ``name`` and returns its call index."""
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        self.keys.append(name if call == 0 else f"{name}#{call}")
+        return call
+
+    def hooks_for(self, name: str) -> tuple[Callable, ...]:
+        """All hooks whose glob matches ``name``, in the order they were given."""
+        found: list[Callable] = []
+        for glob, hooks in self.hooks:
+            if fnmatch.fnmatchcase(name, glob):
+                self.matched.add(glob)
+                found.extend(hooks)
+        return tuple(found)
+
+    def check_matched(self) -> None:
+        """Raises if a glob matched no layer call of the traced function."""
+        missing = [glob for glob, _ in self.hooks if glob not in self.matched]
+        if not missing:
+            return
+        names = sorted(set(self.calls))
+        available = ", ".join(repr(n) for n in names) if names else "none: no vjpkit layer ran"
+        raise ConfigError(
+            f"{self.transform}: the hook glob(s) {', '.join(map(repr, missing))} matched no layer. "
+            f"Layers called in this forward pass: {available}. Globs use fnmatch syntax on the full "
+            "layer path (for example 'fc*', 'block1/*' or '*/conv1'); fix or remove the glob."
+        )
+
+
+def current() -> Scope | None:
+    """The innermost active scope, or ``None`` outside vjpkit transforms."""
+    scopes = _stack("scopes")
+    return scopes[-1] if scopes else None
+
+
+@contextlib.contextmanager
+def activate(scope: Scope | None) -> Iterator[Scope | None]:
+    """Makes ``scope`` current for the duration (``None`` suspends every scope)."""
+    scopes = _stack("scopes")
+    scopes.append(scope)
+    try:
+        yield scope
+    finally:
+        scopes.pop()
+
+
+@contextlib.contextmanager
+def name_scope(name: str) -> Iterator[None]:
+    """Pushes one component of the layer path (``serial`` does this around each child)."""
+    path = _stack("path")
+    path.append(name)
+    try:
+        yield
+    finally:
+        path.pop()
+
+
+def layer_path(default: str) -> str:
+    """The current layer's full name; ``default`` when no combinator has named it."""
+    path = _stack("path")
+    return "/".join(path) if path else default
+
+
+def normalize_hooks(hooks: Any, transform: str) -> tuple[tuple[str, tuple[Callable, ...]], ...]:
+    """Checks a ``{glob: hook | [hooks]}`` mapping and returns it as pairs."""
+    if hooks is None:
+        return ()
+    if not isinstance(hooks, dict):
+        raise ConfigError(
+            f"{transform}: hooks must be a dict {{glob: hook or [hooks]}}, got {type(hooks).__name__}. "
+            "Example: hooks={'fc*': vk.on_host(print)}."
+        )
+    pairs = []
+    for glob, value in hooks.items():
+        if not isinstance(glob, str) or not glob:
+            raise ConfigError(f"{transform}: hook keys must be non-empty glob strings, got {glob!r}.")
+        fns = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        for fn in fns:
+            if not callable(fn):
+                raise ConfigError(
+                    f"{transform}: the hook for glob {glob!r} is {type(fn).__name__}, not a callable. "
+                    "A hook is a function rec -> None | Cotangents, or vk.on_host(fn)."
+                )
+        pairs.append((glob, fns))
+    return tuple(pairs)

@@ -1,0 +1,28 @@
+"""Exception types raised by vjpkit.
+
+Every vjpkit error says what happened and what to do, and names the layer, the field and
+the tree path where one applies. All inherit from :class:`VjpkitError`, and also from the
+builtin a user would catch for the same mistake (``ValueError``, ``TypeError``).
+"""
+
+from __future__ import annotations
+
+
+class VjpkitError(Exception):
+    """Base class of all vjpkit errors."""
+
+
+class HookError(VjpkitError, ValueError):
+    """A hook returned something that cannot replace the record it was given."""
+
+
+class ConfigError(VjpkitError, ValueError):
+    """A transform or layer was configured wrongly (bad glob, duplicate name, ...)."""
+
+
+class SeedError(VjpkitError, TypeError):
+    """A cotangent seed (or the function output it seeds) does not fit."""
+
+
+class HostHookError(VjpkitError, RuntimeError):
+    """A function run on the host by :func:`vjpkit.on_host` raised an exception."""

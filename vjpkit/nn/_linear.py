@@ -1,0 +1,161 @@
+"""Layers with parameters: ``dense``, ``conv2d``, ``embedding``, ``layer_norm``.
+
+Contract: each returns an :class:`~vjpkit.nn.Layer` built with :func:`~vjpkit.nn.layer`, so
+every call is hookable. Parameter names and layouts are fixed by DESIGN.md: ``dense`` has
+``weight (in, out)`` and ``bias (out,)`` with ``y = x @ weight + bias``; ``conv2d`` is NHWC
+with ``weight (kh, kw, in, out)``. Parameters take ``dtype``, else the input's float dtype.
+Initialisation follows PyTorch's defaults (uniform in +-1/sqrt(fan_in)).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._layer import Layer, layer
+
+
+def _param_dtype(x, dtype):
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    return jnp.dtype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32)
+
+
+def _uniform(key, shape, fan_in, dtype):
+    bound = 1.0 / float(max(fan_in, 1)) ** 0.5
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def dense(features: int, use_bias: bool = True, *, dtype=None, name: str | None = None) -> Layer:
+    """Fully connected layer ``y = x @ weight + bias`` over the last axis.
+
+    Args:
+        features: output size.
+        use_bias: add ``bias`` (shape ``(features,)``).
+        dtype: parameter dtype; default: the input's float dtype.
+        name: the name when no combinator names it.
+
+    Example:
+        >>> p = nn.dense(4).init(jax.random.key(0), jnp.ones((2, 3)))
+        >>> jax.tree.map(jnp.shape, p)
+        {'bias': (4,), 'weight': (3, 4)}
+    """
+
+    def init(key, x):
+        n_in, dt = x.shape[-1], _param_dtype(x, dtype)
+        kw, kb = jax.random.split(key)
+        params = {"weight": _uniform(kw, (n_in, features), n_in, dt)}
+        if use_bias:
+            params["bias"] = _uniform(kb, (features,), n_in, dt)
+        return params
+
+    def fn(params, x):
+        y = x @ params["weight"]
+        return y + params["bias"] if use_bias else y
+
+    return layer(fn, init, name=name or "dense")
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def conv2d(
+    features: int,
+    kernel_size,
+    stride=1,
+    padding="SAME",
+    use_bias: bool = True,
+    *,
+    dtype=None,
+    name: str | None = None,
+) -> Layer:
+    """2-D convolution on NHWC inputs, ``weight (kh, kw, in, out)``, ``bias (out,)``.
+
+    Args:
+        features: output channels.
+        kernel_size: ``k`` or ``(kh, kw)``.
+        stride: ``s`` or ``(sh, sw)``.
+        padding: ``"SAME"``, ``"VALID"`` or explicit ``[(lo, hi), (lo, hi)]``.
+        use_bias: add ``bias``.
+        dtype: parameter dtype; default: the input's float dtype.
+        name: the name when no combinator names it.
+
+    Example:
+        >>> conv = nn.conv2d(32, 3)
+        >>> p = conv.init(jax.random.key(0), jnp.ones((64, 16, 16, 16)))
+        >>> p["weight"].shape
+        (3, 3, 16, 32)
+    """
+    kh, kw_ = _pair(kernel_size)
+    strides = _pair(stride)
+
+    def init(key, x):
+        n_in, dt = x.shape[-1], _param_dtype(x, dtype)
+        fan_in = kh * kw_ * n_in
+        k1, k2 = jax.random.split(key)
+        params = {"weight": _uniform(k1, (kh, kw_, n_in, features), fan_in, dt)}
+        if use_bias:
+            params["bias"] = _uniform(k2, (features,), fan_in, dt)
+        return params
+
+    def fn(params, x):
+        y = jax.lax.conv_general_dilated(
+            x, params["weight"], strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return y + params["bias"] if use_bias else y
+
+    return layer(fn, init, name=name or "conv2d")
+
+
+def embedding(num_embeddings: int, features: int, *, dtype=jnp.float32, name: str | None = None) -> Layer:
+    """Lookup table ``weight[ids]``, ``weight (num_embeddings, features)``, N(0, 1) init.
+
+    Integer ids need no gradient, so a hook sees ``grad_input=None``.
+
+    Example:
+        >>> emb = nn.embedding(10, 4)
+        >>> emb.apply(emb.init(jax.random.key(0)), jnp.array([1, 2])).shape
+        (2, 4)
+    """
+
+    def init(key, *inputs):
+        del inputs
+        return {"weight": jax.random.normal(key, (num_embeddings, features), jnp.float32).astype(dtype)}
+
+    def fn(params, ids):
+        return jnp.take(params["weight"], ids, axis=0)
+
+    return layer(fn, init, name=name or "embedding")
+
+
+def layer_norm(eps: float = 1e-5, use_scale: bool = True, use_bias: bool = True, *, name: str | None = None) -> Layer:
+    """Normalises the last axis to zero mean and unit variance, then ``* scale + bias``.
+
+    Example:
+        >>> ln = nn.layer_norm()
+        >>> jax.tree.map(jnp.shape, ln.init(jax.random.key(0), jnp.ones((2, 5))))
+        {'bias': (5,), 'scale': (5,)}
+    """
+
+    def init(key, x):
+        del key
+        d, dt = x.shape[-1], _param_dtype(x, None)
+        params = {}
+        if use_scale:
+            params["scale"] = jnp.ones((d,), dt)
+        if use_bias:
+            params["bias"] = jnp.zeros((d,), dt)
+        return params
+
+    def fn(params, x):
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + eps)
+        if use_scale:
+            y = y * params["scale"]
+        if use_bias:
+            y = y + params["bias"]
+        return y
+
+    return layer(fn, init, name=name or "layer_norm")
