@@ -31,6 +31,7 @@ def _describe_value(x: Any) -> str:
 def _scalar_loss(fun: Callable, has_aux: bool, transform: str, scope: _context.Scope | None) -> Callable:
     """``fun`` with its output checked to be a scalar (and ``(scalar, aux)`` with has_aux)."""
     fname = getattr(fun, "__name__", "fun")
+    fname = "fun" if fname == "<lambda>" else fname
 
     @functools.wraps(fun)
     def checked(*args, **kwargs):

@@ -34,6 +34,8 @@ class Scope:
     Attributes:
         hooks: ``(glob, (hook, ...))`` pairs, in the user's order.
         transform: the public name of the transform, for error messages.
+        mode: ``"vjp"`` (reverse-mode hooks get :class:`Cotangents`) or ``"jvp"``
+            (forward-mode hooks get :class:`Tangents`).
         calls: the number of calls seen per layer name in this forward pass.
         keys: call keys (``name`` or ``name#k``) in forward order.
         matched: the globs that matched at least one layer.
@@ -41,6 +43,7 @@ class Scope:
 
     hooks: Sequence[tuple[str, tuple[Callable, ...]]]
     transform: str = "vk.grad"
+    mode: str = "vjp"
     calls: dict[str, int] = dataclasses.field(default_factory=dict)
     keys: list[str] = dataclasses.field(default_factory=list)
     matched: set[str] = dataclasses.field(default_factory=set)

@@ -21,12 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.custom_derivatives import SymbolicZero
 
 from . import _context
 from ._check import check_like
 from ._errors import HookError
 from ._records import Cotangents
+from ._trees import merge, scatter, select, split_kwargs, unwrap
 
 
 def call(fn: Callable, params: Any, inputs: tuple, kwargs: dict, default_name: str) -> Any:
@@ -39,39 +40,11 @@ def call(fn: Callable, params: Any, inputs: tuple, kwargs: dict, default_name: s
     hooks = scope.hooks_for(name)
     if not hooks:
         return fn(params, *inputs, **kwargs)
+    if scope.mode == "jvp":
+        from ._jvp_rule import hooked_call as jvp_hooked_call
+
+        return jvp_hooked_call(fn, name, index, hooks, params, inputs, kwargs)
     return _hooked_call(fn, name, index, hooks, params, inputs, kwargs)
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, jnp.ndarray)) or hasattr(x, "__jax_array__")
-
-
-def _split_kwargs(kwargs: dict) -> tuple[dict, dict]:
-    dynamic = {k: v for k, v in kwargs.items() if _is_array(v)}
-    static = {k: v for k, v in kwargs.items() if k not in dynamic}
-    return dynamic, static
-
-
-def _unwrap(tree: Any) -> tuple[Any, list[bool]]:
-    """Values and per-leaf ``perturbed`` flags of a tree of CustomVJPPrimal."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-    values = [leaf.value for leaf in leaves]
-    return jax.tree.unflatten(treedef, values), [bool(leaf.perturbed) for leaf in leaves]
-
-
-def _select(leaves: Sequence, mask: Sequence[bool]) -> list:
-    return [leaf for leaf, keep in zip(leaves, mask) if keep]
-
-
-def _scatter(treedef: Any, mask: Sequence[bool], values: Sequence, *, collapse: bool) -> Any:
-    """A tree shaped by ``treedef`` with ``values`` where ``mask`` and ``None`` elsewhere.
-
-    With ``collapse``, a tree that has leaves but none selected becomes plain ``None``.
-    """
-    if collapse and mask and not any(mask):
-        return None
-    it = iter(values)
-    return jax.tree.unflatten(treedef, [next(it) if keep else None for keep in mask])
 
 
 def _instantiate(g: Any) -> Any:
@@ -141,7 +114,7 @@ def _hooked_call(
     inputs: tuple,
     kwargs: dict,
 ) -> Any:
-    dynamic_kw, static_kw = _split_kwargs(kwargs)
+    dynamic_kw, static_kw = split_kwargs(kwargs)
     single = len(inputs) == 1
     masks: dict[str, Any] = {}  # static facts from fwd, read by bwd of the same call
 
@@ -151,18 +124,18 @@ def _hooked_call(
     rule = jax.custom_vjp(plain)
 
     def fwd(p, xs, kw):
-        p_val, p_mask = _unwrap(p)
-        x_val, x_mask = _unwrap(xs)
-        kw_val, _ = _unwrap(kw)
+        p_val, p_mask = unwrap(p)
+        x_val, x_mask = unwrap(xs)
+        kw_val, _ = unwrap(kw)
         p_leaves, p_def = jax.tree.flatten(p_val)
         x_leaves, x_def = jax.tree.flatten(x_val)
 
         def diff_part(p_diff, x_diff):
-            p_full = _merge(p_leaves, p_mask, p_diff)
-            x_full = _merge(x_leaves, x_mask, x_diff)
+            p_full = merge(p_leaves, p_mask, p_diff)
+            x_full = merge(x_leaves, x_mask, x_diff)
             return plain(jax.tree.unflatten(p_def, p_full), jax.tree.unflatten(x_def, x_full), kw_val)
 
-        y, vjp_fn = jax.vjp(diff_part, _select(p_leaves, p_mask), _select(x_leaves, x_mask))
+        y, vjp_fn = jax.vjp(diff_part, select(p_leaves, p_mask), select(x_leaves, x_mask))
         masks.update(p=(p_def, p_mask), x=(x_def, x_mask))
         return y, (vjp_fn, p_val, x_val, y)
 
@@ -171,8 +144,8 @@ def _hooked_call(
         g = _instantiate(g)
         gp, gx = vjp_fn(g)
         (p_def, p_mask), (x_def, x_mask) = masks["p"], masks["x"]
-        grad_params = _scatter(p_def, p_mask, gp, collapse=True)
-        grad_xs = _scatter(x_def, x_mask, gx, collapse=True)
+        grad_params = scatter(p_def, p_mask, gp, collapse=True)
+        grad_xs = scatter(x_def, x_mask, gx, collapse=True)
         rec = Cotangents(
             name=name,
             call=index,
@@ -185,17 +158,9 @@ def _hooked_call(
         )
         rec = _apply_hooks(rec, hooks)
         gi = rec.grad_input
-        if gi is None:
-            gx_out = tuple(None for _ in x_val)
-        else:
-            gx_out = (gi,) if single else gi
+        gx_out = tuple(None for _ in x_val) if gi is None else (gi,) if single else gi
         gp_out = rec.grad_params if rec.grad_params is not None else jax.tree.map(lambda _: None, p_val)
         return gp_out, gx_out, jax.tree.map(lambda _: None, dynamic_kw)
 
     rule.defvjp(fwd, bwd, symbolic_zeros=True)
     return rule(params, tuple(inputs), dynamic_kw)
-
-
-def _merge(leaves: Sequence, mask: Sequence[bool], diff: Sequence) -> list:
-    it = iter(diff)
-    return [next(it) if keep else leaf for leaf, keep in zip(leaves, mask)]

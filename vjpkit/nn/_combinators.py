@@ -7,6 +7,7 @@ own. To hook a whole block, wrap it with ``nn.layer(block.apply, block.init, nam
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -72,7 +73,7 @@ def serial(*layers: Any, **named_layers: Layer) -> Layer:
             p = child.init(k_init, *xs)
             if jax.tree.leaves(p) or (p and not isinstance(p, dict)):
                 params[name] = p
-            xs = (jax.eval_shape(lambda p_, *x_: child.apply(p_, *x_, key=k_apply), p, *xs),)
+            xs = (jax.eval_shape(functools.partial(child.apply, key=k_apply), p, *xs),)
         return params
 
     def apply(params, *inputs, key=None, **kwargs):

@@ -129,7 +129,9 @@ def embedding(num_embeddings: int, features: int, *, dtype=jnp.float32, name: st
     return layer(fn, init, name=name or "embedding")
 
 
-def layer_norm(eps: float = 1e-5, use_scale: bool = True, use_bias: bool = True, *, name: str | None = None) -> Layer:
+def layer_norm(
+    eps: float = 1e-5, use_scale: bool = True, use_bias: bool = True, *, name: str | None = None
+) -> Layer:
     """Normalises the last axis to zero mean and unit variance, then ``* scale + bias``.
 
     Example:

@@ -1,0 +1,50 @@
+"""Pytree plumbing shared by the custom_vjp and custom_jvp rules.
+
+Contract: pure helpers over flat leaf lists and boolean masks; no JAX transforms here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, jnp.ndarray)) or hasattr(x, "__jax_array__")
+
+
+def split_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    dynamic = {k: v for k, v in kwargs.items() if is_array(v)}
+    static = {k: v for k, v in kwargs.items() if k not in dynamic}
+    return dynamic, static
+
+
+def unwrap(tree: Any) -> tuple[Any, list[bool]]:
+    """Values and per-leaf ``perturbed`` flags of a tree of CustomVJPPrimal."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    values = [leaf.value for leaf in leaves]
+    return jax.tree.unflatten(treedef, values), [bool(leaf.perturbed) for leaf in leaves]
+
+
+def select(leaves: Sequence, mask: Sequence[bool]) -> list:
+    return [leaf for leaf, keep in zip(leaves, mask) if keep]
+
+
+def scatter(treedef: Any, mask: Sequence[bool], values: Sequence, *, collapse: bool) -> Any:
+    """A tree shaped by ``treedef`` with ``values`` where ``mask`` and ``None`` elsewhere.
+
+    With ``collapse``, a tree that has leaves but none selected becomes plain ``None``.
+    """
+    if collapse and mask and not any(mask):
+        return None
+    it = iter(values)
+    return jax.tree.unflatten(treedef, [next(it) if keep else None for keep in mask])
+
+
+def merge(leaves: Sequence, mask: Sequence[bool], diff: Sequence) -> list:
+    it = iter(diff)
+    return [next(it) if keep else leaf for leaf, keep in zip(leaves, mask)]
