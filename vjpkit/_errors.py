@@ -25,4 +25,10 @@ class SeedError(VjpkitError, TypeError):
 
 
 class HostHookError(VjpkitError, RuntimeError):
-    """A function run on the host by :func:`vjpkit.on_host` raised an exception."""
+    """A function run on the host by :func:`vjpkit.on_host` raised an exception.
+
+    Attributes:
+        original: the exception the host function raised.
+    """
+
+    original: BaseException | None = None

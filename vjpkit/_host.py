@@ -57,10 +57,13 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
         try:
             self.fn(rec)
         except Exception as err:
-            raise HostHookError(
-                f"the on_host function {getattr(self.fn, '__qualname__', self.fn)!r} raised "
-                f"{type(err).__name__} on layer {rec.name!r} (call {rec.call}): {err}"
-            ) from err
+            wrapped = HostHookError(
+                f"layer {rec.name!r} (call {rec.call}): the on_host function "
+                f"{getattr(self.fn, '__qualname__', self.fn)!r} raised {type(err).__name__}: {err}. "
+                "The traceback above it shows where; the step's outputs are not valid."
+            )
+            wrapped.original = err
+            raise wrapped from err
 
     def __repr__(self) -> str:
         return f"on_host({getattr(self.fn, '__qualname__', self.fn)}, every={self.every})"
