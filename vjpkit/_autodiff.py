@@ -16,8 +16,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _context
+from . import _context, _slots
+from ._capture import as_specs
 from ._errors import ConfigError, SeedError
+from ._hooks import HookTransform
 
 
 def _describe_value(x: Any) -> str:
@@ -68,27 +70,63 @@ def _scalar_loss(fun: Callable, has_aux: bool, transform: str, scope: _context.S
     return checked
 
 
+def _has_slots(pairs, specs) -> bool:
+    return bool(specs) or any(isinstance(h, HookTransform) for _, hooks in pairs for h in hooks)
+
+
 def _transform(
     jax_transform: Callable, name: str, fun: Callable, argnums, has_aux: bool, hooks, capture
 ) -> Callable:
     if not callable(fun):
         raise ConfigError(f"{name}: fun must be callable, got {type(fun).__name__}.")
-    if capture is not None:
-        raise ConfigError(
-            f"{name}: capture= is not available in this version of vjpkit; use an on_host hook "
-            "or a traced hook to observe records."
-        )
     pairs = _context.normalize_hooks(hooks, name)
-    if not pairs:
+    specs = as_specs(capture, name)
+    if not pairs and not specs:
         return jax_transform(_scalar_loss(fun, has_aux, name, None), argnums=argnums, has_aux=has_aux)
+    with_value = jax_transform is jax.value_and_grad
+    slotted = _has_slots(pairs, specs)
 
     @functools.wraps(fun)
-    def hooked(*args, **kwargs):
-        scope = _context.Scope(pairs, transform=name)
-        inner = jax_transform(_scalar_loss(fun, has_aux, name, scope), argnums=argnums, has_aux=has_aux)
-        with _context.activate(scope):
-            return inner(*args, **kwargs)
+    def hooked(*args, hook_state=None, **kwargs):
+        if hook_state is not None and not slotted:
+            raise ConfigError(
+                f"{name}: hook_state= was given, but no hook keeps state (no vk.HookTransform in hooks). "
+                "Drop hook_state=."
+            )
+        if not slotted:
+            scope = _context.Scope(pairs, transform=name)
+            inner = jax_transform(_scalar_loss(fun, has_aux, name, scope), argnums=argnums, has_aux=has_aux)
+            with _context.activate(scope):
+                return inner(*args, **kwargs)
 
+        config = dict(hooks=pairs, transform=name, capture=specs, hook_state=hook_state)
+        found = _context.Scope(mode="discover", **config)
+        shaped = jax_transform(_scalar_loss(fun, has_aux, name, found), argnums=argnums, has_aux=has_aux)
+        _slots.discover(found, lambda: shaped(*args, **kwargs))
+
+        scope = _context.Scope(mode="vjp", **config)
+        scope.slots, scope.dtypes, scope.states = found.slots, found.dtypes, found.states
+        checked = _scalar_loss(fun, has_aux, name, scope)
+
+        def with_probes(*args_and_probes, **kw):
+            *user_args, scope.probes = args_and_probes
+            return checked(*user_args, **kw)
+
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        inner = jax_transform(with_probes, argnums=(*nums, len(args)), has_aux=has_aux)
+        with _context.activate(scope):
+            out = inner(*args, _slots.probes(found), **kwargs)
+        if with_value:
+            value, grads = out
+        else:
+            grads, value = out if has_aux else (out, None)
+        user_grads = grads[0] if isinstance(argnums, int) else tuple(grads[:-1])
+        captured, new_state = _slots.read_out(scope, grads[-1])
+        result = (value, user_grads) if with_value else (user_grads, value) if has_aux else user_grads
+        extras = ((captured,) if specs else ()) + ((new_state,) if hook_state is not None else ())
+        return (result, *extras)
+
+    hooked.__vjpkit__ = dict(fun=fun, hooks=pairs, capture=specs, transform=name)
     return hooked
 
 
@@ -109,10 +147,13 @@ def grad(
         hooks: ``{glob: hook or [hooks]}``. A hook is ``rec -> None | Cotangents`` and is
             traced into the backward pass of every layer call whose path matches the glob;
             ``vk.on_host(fn)`` runs ``fn`` on the host instead.
-        capture: reserved for in-graph capture of records; must be ``None``.
+        capture: a glob, globs, or ``vk.capture(...)`` spec(s): the function then returns
+            ``(result, captured)`` with ``captured = {call key: Cotangents}`` computed in-graph.
 
     Returns:
-        A function with ``fun``'s signature returning what ``jax.grad`` returns.
+        A function with ``fun``'s signature returning what ``jax.grad`` returns; with
+        ``capture``, ``(result, captured)``. When hooks keep state (``vk.HookTransform``), it
+        takes ``hook_state=`` and returns the new state last: ``(result[, captured], state)``.
 
     Example:
         >>> def halve_fc1(rec):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ._errors import ConfigError
+from ._records import call_key
 
 _local = threading.local()
 
@@ -34,8 +35,16 @@ class Scope:
     Attributes:
         hooks: ``(glob, (hook, ...))`` pairs, in the user's order.
         transform: the public name of the transform, for error messages.
-        mode: ``"vjp"`` (reverse-mode hooks get :class:`Cotangents`) or ``"jvp"``
-            (forward-mode hooks get :class:`Tangents`).
+        mode: ``"vjp"`` (reverse-mode hooks get :class:`Cotangents`), ``"jvp"`` (forward-mode
+            hooks get :class:`Tangents`), ``"discover"`` (a shape-only trace that fills
+            ``slots`` and ``states``) or ``"init"`` (a forward pass that fills ``states``).
+        capture: capture specs (``vjpkit._capture.CaptureSpec``).
+        hook_state: the user's hook state, ``{call key: state}``, or ``None``.
+        probes: ``{call key: probe}``: the zero arrays whose cotangents carry captured records
+            and new hook states out of the backward pass.
+        slots: filled by discovery: ``{call key: shape tree of the probe}``.
+        states: filled by discovery and init: ``{call key: initial hook state}``.
+        dtypes: filled by discovery: the dtypes of each captured record, to undo ``carry``.
         calls: the number of calls seen per layer name in this forward pass.
         keys: call keys (``name`` or ``name#k``) in forward order.
         matched: the globs that matched at least one layer.
@@ -44,6 +53,12 @@ class Scope:
     hooks: Sequence[tuple[str, tuple[Callable, ...]]]
     transform: str = "vk.grad"
     mode: str = "vjp"
+    capture: Sequence[Any] = ()
+    hook_state: dict[str, Any] | None = None
+    probes: dict[str, Any] = dataclasses.field(default_factory=dict)
+    slots: dict[str, Any] = dataclasses.field(default_factory=dict)
+    states: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
     calls: dict[str, int] = dataclasses.field(default_factory=dict)
     keys: list[str] = dataclasses.field(default_factory=list)
     matched: set[str] = dataclasses.field(default_factory=set)
@@ -52,8 +67,16 @@ class Scope:
         """Counts one call of layer ``name`` and returns its call index."""
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
-        self.keys.append(name if call == 0 else f"{name}#{call}")
+        self.keys.append(call_key(name, call))
         return call
+
+    def capture_for(self, name: str) -> Any:
+        """The first capture spec whose globs match ``name``, or ``None``."""
+        for spec in self.capture:
+            if spec.matches(name):
+                self.matched.update(g for g in spec.layers if fnmatch.fnmatchcase(name, g))
+                return spec
+        return None
 
     def hooks_for(self, name: str) -> tuple[Callable, ...]:
         """All hooks whose glob matches ``name``, in the order they were given."""
@@ -67,12 +90,14 @@ class Scope:
     def check_matched(self) -> None:
         """Raises if a glob matched no layer call of the traced function."""
         missing = [glob for glob, _ in self.hooks if glob not in self.matched]
+        missing += [g for spec in self.capture for g in spec.layers if g not in self.matched]
         if not missing:
             return
         names = sorted(set(self.calls))
         available = ", ".join(repr(n) for n in names) if names else "none: no vjpkit layer ran"
         raise ConfigError(
-            f"{self.transform}: the hook glob(s) {', '.join(map(repr, missing))} matched no layer. "
+            f"{self.transform}: the hook or capture glob(s) {', '.join(map(repr, missing))} "
+            "matched no layer. "
             f"Layers called in this forward pass: {available}. Globs use fnmatch syntax on the full "
             "layer path (for example 'fc*', 'block1/*' or '*/conv1'); fix or remove the glob."
         )

@@ -1,10 +1,16 @@
-"""Host delivery: run a Python function on each record as a JAX callback.
+"""Host delivery: run a Python function on records as a JAX callback.
 
-Contract: ``on_host(fn, every=1)`` is a hook. Under ``jit`` it emits one ordered
-``jax.debug.callback`` per layer call, so ``fn`` runs on the host with numpy arrays, in
-backward order, once per layer call per step (per example under ``vmap``). ``every=N``
-delivers the 1st, (N+1)th, ... record of each call key; counting happens on the host.
-An exception in ``fn`` is re-raised as :class:`HostHookError` naming the layer; under
+Contract: ``on_host(fn, every=1)`` serves two ways.
+
+* As a hook, each matching layer call emits one ordered ``jax.debug.callback``, so ``fn(rec)``
+  runs on the host with numpy arrays, in backward order, once per layer call per step (per
+  example under ``vmap``). ``every=N`` delivers the 1st, (N+1)th, ... record of each call
+  key; that count is kept on the host, so every step still pays the transfer.
+* As ``vk.capture(..., host=on_host(fn, every=N))``, ``fn(captured)`` receives the whole
+  step's captured dict in one transfer; ``every=N`` is then gated inside the graph by a
+  step counter in the hook state, so skipped steps transfer nothing.
+
+An exception in ``fn`` is re-raised as :class:`HostHookError` naming the layer(s); under
 ``jit`` JAX surfaces it when the step's result is awaited.
 """
 
@@ -13,6 +19,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,8 +32,9 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
     """A hook that runs ``fn(rec)`` on the host with numpy arrays.
 
     Args:
-        fn: called with a :class:`Cotangents` (or :class:`Tangents`) of numpy arrays.
-            Its return value is ignored: host hooks observe, they cannot rewrite.
+        fn: called with a :class:`Cotangents` (or :class:`Tangents`) of numpy arrays, or with a
+            ``{call key: Cotangents}`` dict when used as ``vk.capture(..., host=...)``.
+            Its return value is ignored: host functions observe, they cannot rewrite.
         every: deliver one record in ``every`` per call key (``fc1``, ``fc1#1``, ...).
 
     Example:
@@ -48,19 +56,28 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
     def __call__(self, rec: Cotangents) -> None:
         jax.debug.callback(self._deliver, rec, ordered=True)
 
+    def send(self, captured: dict) -> None:
+        """Delivers a step's captured records to ``fn`` in one ordered callback."""
+        jax.debug.callback(self._deliver_step, captured, ordered=True)
+
     def _deliver(self, rec: Cotangents) -> None:
         seen = self.counts[rec.key]
         self.counts[rec.key] = seen + 1
-        if seen % self.every:
-            return
-        rec = jax.tree.map(np.asarray, rec)
+        if seen % self.every == 0:
+            self._run(rec, f"layer {rec.name!r} (call {rec.call})")
+
+    def _deliver_step(self, captured: dict) -> None:
+        self._run(captured, f"captured records of {sorted(captured)}")
+
+    def _run(self, payload: Any, where: str) -> None:
+        payload = jax.tree.map(np.asarray, payload)
         try:
-            self.fn(rec)
+            self.fn(payload)
         except Exception as err:
             wrapped = HostHookError(
-                f"layer {rec.name!r} (call {rec.call}): the on_host function "
-                f"{getattr(self.fn, '__qualname__', self.fn)!r} raised {type(err).__name__}: {err}. "
-                "The traceback above it shows where; the step's outputs are not valid."
+                f"{where}: the on_host function {getattr(self.fn, '__qualname__', self.fn)!r} raised "
+                f"{type(err).__name__}: {err}. The traceback above it shows where; the step's outputs "
+                "are not valid."
             )
             wrapped.original = err
             raise wrapped from err

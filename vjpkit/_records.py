@@ -39,6 +39,11 @@ def _describe(tree: Any) -> str:
     return str(described).replace("'", "") if not isinstance(described, str) else described
 
 
+def call_key(name: str, call: int) -> str:
+    """``name`` for a layer's first call in a forward pass, ``name#k`` for its k-th later call."""
+    return name if call == 0 else f"{name}#{call}"
+
+
 class _Record:
     """Behaviour shared by :class:`Cotangents` and :class:`Tangents`."""
 
@@ -55,7 +60,7 @@ class _Record:
     @property
     def key(self) -> str:
         """The call key: ``name`` for call 0, ``f"{name}#{call}"`` for later calls."""
-        return self.name if self.call == 0 else f"{self.name}#{self.call}"
+        return call_key(self.name, self.call)
 
     def __repr__(self) -> str:
         fields = ", ".join(

@@ -1,0 +1,164 @@
+"""Capture specs: which layers and fields to return from the graph, and how to reduce them.
+
+Contract: :func:`capture` builds a :class:`CaptureSpec`; :func:`as_specs` turns what a user
+passes as ``capture=`` (a glob, a list of globs, a spec, or a list of specs) into specs.
+:func:`reduce_record` keeps the chosen fields of a record and reduces each array leaf inside
+the graph: with one reduction a leaf becomes a float32 scalar (a ``(bins,)`` vector for a
+histogram); with several, a dict ``{reduction name: value}``. Unchosen fields become ``None``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ._errors import ConfigError
+from ._records import Cotangents
+
+FIELDS = ("params", "input", "output", "grad_output", "grad_input", "grad_params")
+
+
+def _f32(x):
+    return x.astype(jnp.float32)
+
+
+REDUCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "norm": lambda x: jnp.sqrt(jnp.sum(jnp.square(_f32(x)))),
+    "mean": lambda x: jnp.mean(_f32(x)),
+    "var": lambda x: jnp.var(_f32(x)),
+    "min": lambda x: jnp.min(_f32(x)),
+    "max": lambda x: jnp.max(_f32(x)),
+    "nonfinite_count": lambda x: jnp.sum(~jnp.isfinite(x)).astype(jnp.float32),
+}
+
+
+class histogram(NamedTuple):  # noqa: N801  (used like a reduction name)
+    """A fixed-bin histogram reduction: ``bins`` equal bins over ``range``, as float32 counts.
+
+    Values below or above ``range`` are counted in the first or last bin, so the counts always
+    sum to the number of elements; NaNs are not counted.
+
+    Example:
+        >>> spec = vk.capture("fc*", fields=["grad_output"], reduce=vk.histogram(32, (-1e-2, 1e-2)))
+    """
+
+    bins: int = 16
+    range: tuple[float, float] = (-1.0, 1.0)
+
+    @property
+    def name(self) -> str:
+        return "histogram"
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lo, hi = self.range
+        x = _f32(x).ravel()
+        index = jnp.clip(jnp.floor((x - lo) / (hi - lo) * self.bins), 0, self.bins - 1).astype(jnp.int32)
+        weights = jnp.isfinite(x).astype(jnp.float32)
+        return jnp.zeros((self.bins,), jnp.float32).at[index].add(weights)
+
+
+class CaptureSpec(NamedTuple):
+    """What to capture: see :func:`capture`."""
+
+    layers: tuple[str, ...]
+    fields: tuple[str, ...]
+    reduce: tuple[Any, ...] | None
+    host: Any = None
+
+    def matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, glob) for glob in self.layers)
+
+
+def _reduction(r: Any) -> Any:
+    if isinstance(r, histogram):
+        if not isinstance(r.bins, int) or r.bins < 1 or not r.range[0] < r.range[1]:
+            raise ConfigError(f"vk.histogram needs bins >= 1 and range lo < hi, got {r!r}.")
+        return r
+    if isinstance(r, str) and r in REDUCTIONS:
+        return r
+    raise ConfigError(
+        f"vk.capture: unknown reduction {r!r}. Use one of {sorted(REDUCTIONS)} or "
+        "vk.histogram(bins, range); reduce=None captures whole arrays."
+    )
+
+
+def capture(
+    layers: str | Sequence[str] = "*",
+    fields: Sequence[str] = FIELDS,
+    reduce: Any = None,
+    host: Any = None,
+) -> CaptureSpec:
+    """Chooses layer calls and record fields to return from the graph as arrays.
+
+    Args:
+        layers: a glob or globs over layer paths.
+        fields: record fields to keep (others are ``None``): any of ``params, input, output,
+            grad_output, grad_input, grad_params``.
+        reduce: ``None`` for whole arrays, a reduction (``"norm"``, ``"mean"``, ``"var"``,
+            ``"min"``, ``"max"``, ``"nonfinite_count"``, ``vk.histogram(bins, range)``), or a
+            list of them. Reductions run inside the graph, so only statistics leave it.
+        host: ``vk.on_host(fn, every=N)``: ``fn`` receives the whole step's captured dict on
+            the host, in one transfer per step (per N steps).
+
+    Example:
+        >>> spec = vk.capture("conv*", fields=["grad_params"], reduce=["norm", "nonfinite_count"])
+        >>> (loss, grads), captured = jax.jit(vk.value_and_grad(loss_fn, capture=spec))(params, x, y)
+        >>> captured["conv1"].grad_params["weight"]["norm"]
+    """
+    globs = (layers,) if isinstance(layers, str) else tuple(layers)
+    if not globs or not all(isinstance(g, str) and g for g in globs):
+        raise ConfigError(f"vk.capture: layers must be a glob or a list of globs, got {layers!r}.")
+    fields = (fields,) if isinstance(fields, str) else tuple(fields)
+    unknown = [f for f in fields if f not in FIELDS]
+    if unknown or not fields:
+        raise ConfigError(f"vk.capture: unknown field(s) {unknown or fields!r}; choose from {list(FIELDS)}.")
+    if reduce is not None:
+        many = isinstance(reduce, (list, tuple)) and not isinstance(reduce, histogram)
+        reduce = tuple(_reduction(r) for r in (reduce if many else [reduce]))
+    if host is not None and not callable(host):
+        raise ConfigError(f"vk.capture: host must be vk.on_host(fn, every=N), got {type(host).__name__}.")
+    return CaptureSpec(globs, fields, reduce, host)
+
+
+def as_specs(value: Any, transform: str) -> tuple[CaptureSpec, ...]:
+    """Normalises a ``capture=`` argument to a tuple of specs."""
+    if value is None:
+        return ()
+    if isinstance(value, CaptureSpec):
+        return (value,)
+    if isinstance(value, str):
+        return (capture(value),)
+    if isinstance(value, (list, tuple)) and value:
+        if all(isinstance(v, str) for v in value):
+            return (capture(tuple(value)),)
+        if all(isinstance(v, CaptureSpec) for v in value):
+            return tuple(value)
+    raise ConfigError(
+        f"{transform}: capture= takes a glob, a list of globs, vk.capture(...), or a list of "
+        f"vk.capture(...) specs; got {value!r}."
+    )
+
+
+def _reduce_leaf(x: Any, reductions: tuple[Any, ...]) -> Any:
+    def one(r):
+        return r(x) if isinstance(r, histogram) else REDUCTIONS[r](x)
+
+    if len(reductions) == 1:
+        return one(reductions[0])
+    return {r if isinstance(r, str) else r.name: one(r) for r in reductions}
+
+
+def reduce_record(rec: Cotangents, spec: CaptureSpec) -> Cotangents:
+    """The record with only ``spec.fields`` kept, each array leaf reduced by ``spec.reduce``."""
+    changes = {}
+    for field in FIELDS:
+        value = getattr(rec, field)
+        if field not in spec.fields:
+            changes[field] = None
+        elif spec.reduce is not None:
+            changes[field] = jax.tree.map(lambda x: _reduce_leaf(x, spec.reduce), value)
+    return rec.replace(**changes)
