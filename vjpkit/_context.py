@@ -150,12 +150,14 @@ def normalize_hooks(hooks: Any, transform: str) -> tuple[tuple[str, tuple[Callab
     for glob, value in hooks.items():
         if not isinstance(glob, str) or not glob:
             raise ConfigError(f"{transform}: hook keys must be non-empty glob strings, got {glob!r}.")
-        fns = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        many = isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields"))
+        fns = tuple(value) if many else (value,)
         for fn in fns:
-            if not callable(fn):
+            stateful = hasattr(fn, "init") and hasattr(fn, "update")  # a vk.HookTransform
+            if not (callable(fn) or stateful):
                 raise ConfigError(
                     f"{transform}: the hook for glob {glob!r} is {type(fn).__name__}, not a callable. "
-                    "A hook is a function rec -> None | Cotangents, or vk.on_host(fn)."
+                    "A hook is a function rec -> None | Cotangents, vk.on_host(fn), or a vk.HookTransform."
                 )
         pairs.append((glob, fns))
     return tuple(pairs)
