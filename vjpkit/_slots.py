@@ -43,12 +43,18 @@ def host_counters(specs: Sequence[Any]) -> dict[str, Any]:
     }
 
 
+def _owner(key: str) -> str:
+    if key.startswith(HOST_KEY):
+        return "a capture host delivery with every > 1 (its step counter)"
+    return f"the hooks on layer {key!r}"
+
+
 def check_user_state(scope: _context.Scope, key: str, expected: Any) -> Any:
     """The user's state for ``key``, checked against the shapes ``init`` gives."""
     if scope.hook_state is None:
         raise ConfigError(
-            f"{scope.transform}: the hooks on layer {key!r} keep state across steps, so the function "
-            f"needs hook_state=. {THREADING}"
+            f"{scope.transform}: {_owner(key)} keeps state across steps, so the function needs "
+            f"hook_state=. {THREADING}"
         )
     if key not in scope.hook_state:
         raise ConfigError(
@@ -69,8 +75,7 @@ def discover(scope: _context.Scope, trace: Callable[[], Any]) -> None:
     counters = host_counters(scope.capture)
     for key, spec in counters.items():
         scope.states[key] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec)
-        if scope.hook_state is not None:
-            check_user_state(scope, key, scope.states[key])
+        check_user_state(scope, key, scope.states[key])
     if scope.hook_state is not None:
         extra = sorted(set(scope.hook_state) - set(scope.states))
         if extra:

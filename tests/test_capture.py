@@ -1,0 +1,246 @@
+"""In-graph capture: records as arrays, equal to hand-chained vjps, under jit/scan/vmap/grad-of-grad."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vjpkit as vk
+from tests.helpers import tree_allclose
+from tests.models import dense_fn, mlp, mlp_chain, mlp_loss, mlp_setup
+
+FIELDS = ("input", "output", "grad_output", "grad_input", "grad_params")
+
+
+def check_against_chain(captured, reference, rtol=1e-5, atol=1e-6):
+    assert sorted(captured) == sorted(reference)
+    for key, rec in captured.items():
+        assert isinstance(rec, vk.Cotangents) and rec.key == key
+        for field in FIELDS:
+            expected = reference[key][field]
+            got = getattr(rec, field)
+            if expected is None:
+                assert got is None, f"{key}.{field}"
+            else:
+                tree_allclose(got, expected, rtol=rtol, atol=atol)
+
+
+def test_whole_records_equal_hand_chained_vjps(maybe_jit):
+    params, x, y = mlp_setup()
+    g = maybe_jit(vk.value_and_grad(mlp_loss, capture="fc*"))
+    (value, grads), captured = g(params, x, y)
+    check_against_chain(captured, mlp_chain(params, x, y))
+    for key in captured:
+        tree_allclose(captured[key].params, params[key])
+    v0, g0 = jax.value_and_grad(mlp_loss)(params, x, y)
+    tree_allclose(value, v0)
+    tree_allclose(grads, g0, rtol=1e-6, atol=1e-7)
+
+
+def test_capture_forms_and_return_structure(maybe_jit):
+    params, x, y = mlp_setup()
+    aux_loss = lambda p, x, y: (mlp_loss(p, x, y), jnp.sum(x))
+    (grads, aux), captured = maybe_jit(vk.grad(aux_loss, has_aux=True, capture=["fc1", "fc3"]))(params, x, y)
+    assert sorted(captured) == ["fc1", "fc3"]
+    tree_allclose(aux, jnp.sum(x))
+    (gp, gx), captured = maybe_jit(vk.grad(mlp_loss, argnums=(0, 1), capture="fc1"))(params, x, y)
+    tree_allclose((gp, gx), jax.grad(mlp_loss, argnums=(0, 1))(params, x, y), rtol=1e-6, atol=1e-7)
+    # x is now differentiated, so fc1's grad_input exists and equals dL/dx
+    tree_allclose(captured["fc1"].grad_input, gx, rtol=1e-6, atol=1e-7)
+
+
+REDUCERS = {
+    "norm": lambda a: np.sqrt(np.sum(np.square(a.astype(np.float64)))),
+    "mean": lambda a: np.mean(a.astype(np.float64)),
+    "var": lambda a: np.var(a.astype(np.float64)),
+    "min": np.min,
+    "max": np.max,
+    "nonfinite_count": lambda a: np.sum(~np.isfinite(a)),
+}
+
+
+def test_reductions_match_numpy(maybe_jit):
+    params, x, y = mlp_setup(batch=16)
+    spec = vk.capture("fc*", fields=["grad_output", "grad_params"], reduce=list(REDUCERS))
+    _, captured = maybe_jit(vk.grad(mlp_loss, capture=spec))(params, x, y)
+    reference = mlp_chain(params, x, y)
+    for key, rec in captured.items():
+        assert rec.input is None and rec.output is None and rec.grad_input is None and rec.params is None
+        for field in ("grad_output", "grad_params"):
+            ref_leaves = jax.tree.leaves(reference[key][field])
+            got_leaves = jax.tree.leaves(
+                getattr(rec, field), is_leaf=lambda d: isinstance(d, dict) and "norm" in d
+            )
+            assert len(ref_leaves) == len(got_leaves)
+            for ref, got in zip(ref_leaves, got_leaves):
+                assert sorted(got) == sorted(REDUCERS)
+                for name, fn in REDUCERS.items():
+                    assert got[name].dtype == jnp.float32 and got[name].shape == ()
+                    np.testing.assert_allclose(
+                        got[name], fn(np.asarray(ref)), rtol=2e-5, atol=1e-8, err_msg=name
+                    )
+
+
+def test_histogram_and_nonfinite_counts(maybe_jit):
+    params, x, y = mlp_setup(batch=32)
+    hist = vk.histogram(8, (-0.05, 0.05))
+    spec = vk.capture("fc2", fields=["grad_output"], reduce=hist)
+    _, captured = maybe_jit(vk.grad(mlp_loss, capture=spec))(params, x, y)
+    ref = np.asarray(mlp_chain(params, x, y)["fc2"]["grad_output"]).ravel()
+    edges = np.linspace(-0.05, 0.05, 9)
+    expected, _ = np.histogram(np.clip(ref, -0.05, 0.05 - 1e-12), bins=edges)
+    np.testing.assert_array_equal(captured["fc2"].grad_output, expected.astype(np.float32))
+    assert captured["fc2"].grad_output.sum() == ref.size
+
+    # a log of a negative number in the middle of the net: NaNs counted in-graph
+    bad = vk.nn.serial(
+        fc=vk.nn.dense(3), log=vk.nn.layer(lambda p, h: jnp.log(h), name="log"), out=vk.nn.dense(1)
+    )
+    p = bad.init(jax.random.key(0), x)
+    loss = lambda p, x: jnp.sum(bad.apply(p, x))
+    spec = vk.capture("*", fields=["output", "grad_output"], reduce="nonfinite_count")
+    _, captured = maybe_jit(vk.grad(loss, capture=spec))(p, x)
+    h = np.asarray(dense_fn(p["fc"], x)).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        expected_bad = np.sum(~np.isfinite(np.log(h)))
+    assert expected_bad > 0
+    np.testing.assert_array_equal(captured["log"].output, expected_bad)
+    assert float(captured["fc"].output) == 0.0
+
+
+def test_weight_sharing_gets_one_slot_per_call(maybe_jit):
+    params, x, y = mlp_setup()
+    proj = jnp.ones((2, 3)) / 3
+
+    def twice(p, x, y):
+        return mlp_loss(p, mlp.apply(p, x) @ proj, y)
+
+    _, captured = maybe_jit(vk.grad(twice, capture="fc3"))(params, x, y)
+    assert sorted(captured) == ["fc3", "fc3#1"]
+    # hand-chained: the second application's fc3 sees h = first output @ proj as its input chain
+    first_out = mlp.apply(params, x)
+    ref_second = mlp_chain(params, first_out @ proj, y)["fc3"]
+    tree_allclose(captured["fc3#1"].grad_output, ref_second["grad_output"], rtol=1e-5, atol=1e-7)
+    tree_allclose(captured["fc3#1"].input, ref_second["input"])
+    # the first call's cotangent is what flows back through proj and the second pass
+    g_first_out = jax.grad(lambda o: mlp_loss(params, o @ proj, y))(first_out)
+    tree_allclose(captured["fc3"].grad_output, g_first_out, rtol=1e-5, atol=1e-7)
+    summed = jax.tree.map(jnp.add, captured["fc3"].grad_params, captured["fc3#1"].grad_params)
+    tree_allclose(summed, jax.grad(twice)(params, x, y)["fc3"], rtol=1e-5, atol=1e-7)
+
+
+def test_capture_under_scan_stacks_steps():
+    params, x, y = mlp_setup()
+    g = vk.grad(mlp_loss, capture="fc*")
+
+    def body(p, xb):
+        grads, captured = g(p, xb, y)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, grads), captured
+
+    xs = jnp.stack([x, 0.5 * x, -x])
+    _, stacked = jax.jit(lambda p, xs: jax.lax.scan(body, p, xs))(params, xs)
+    p = params
+    for k in range(3):
+        check_against_chain(jax.tree.map(lambda a, k=k: a[k], stacked), mlp_chain(p, xs[k], y))
+        p = jax.tree.map(lambda a, b: a - 0.1 * b, p, jax.grad(mlp_loss)(p, xs[k], y))
+
+
+def test_capture_under_vmap_is_per_example(maybe_jit):
+    params, x, y = mlp_setup(batch=4)
+    per_example = lambda p, xi, yi: mlp_loss(p, xi[None], yi[None])
+    g = maybe_jit(jax.vmap(vk.grad(per_example, capture="fc*"), in_axes=(None, 0, 0)))
+    grads, captured = g(params, x, y)
+    for i in range(4):
+        check_against_chain(
+            jax.tree.map(lambda a, i=i: a[i], captured), mlp_chain(params, x[i : i + 1], y[i : i + 1])
+        )
+    tree_allclose(
+        grads, jax.vmap(jax.grad(per_example), in_axes=(None, 0, 0))(params, x, y), rtol=1e-5, atol=1e-7
+    )
+
+
+def test_grad_of_captured_statistics(maybe_jit):
+    """Differentiating through captured values equals differentiating the hand-chained reference."""
+    params, x, y = mlp_setup()
+    spec = vk.capture("fc2", fields=["grad_output"], reduce="norm")
+
+    def captured_norm(p):
+        _, captured = vk.grad(mlp_loss, capture=spec)(p, x, y)
+        return captured["fc2"].grad_output
+
+    def reference_norm(p):
+        return jnp.linalg.norm(mlp_chain(p, x, y)["fc2"]["grad_output"])
+
+    tree_allclose(maybe_jit(captured_norm)(params), reference_norm(params), rtol=1e-5)
+    tree_allclose(
+        maybe_jit(jax.grad(captured_norm))(params), jax.grad(reference_norm)(params), rtol=1e-4, atol=1e-7
+    )
+
+
+def test_captured_record_is_after_hooks(maybe_jit):
+    params, x, y = mlp_setup()
+    halve = lambda rec: rec.replace(grad_params=jax.tree.map(lambda g: g / 2, rec.grad_params))
+    _, captured = maybe_jit(vk.grad(mlp_loss, hooks={"fc2": halve}, capture="fc2"))(params, x, y)
+    ref = mlp_chain(params, x, y)["fc2"]["grad_params"]
+    tree_allclose(captured["fc2"].grad_params, jax.tree.map(lambda g: g / 2, ref), rtol=1e-5, atol=1e-7)
+
+
+def test_host_delivery_one_transfer_per_step():
+    params, x, y = mlp_setup()
+    steps = []
+    spec = vk.capture("fc*", fields=["grad_params"], reduce="norm", host=vk.on_host(steps.append))
+    g = jax.jit(vk.grad(mlp_loss, capture=spec))
+    for i in range(3):
+        _, captured = g(params, x + i, y)
+    jax.effects_barrier()
+    assert len(steps) == 3 and all(sorted(s) == ["fc1", "fc2", "fc3"] for s in steps)
+    tree_allclose(steps[-1], jax.tree.map(np.asarray, captured))
+
+
+def test_host_delivery_every_n_is_gated_in_graph():
+    params, x, y = mlp_setup()
+    steps = []
+    spec = vk.capture("fc1", fields=["grad_params"], reduce="norm", host=vk.on_host(steps.append, every=3))
+    g = vk.grad(mlp_loss, capture=spec)
+    with pytest.raises(vk.ConfigError, match="hook_state"):
+        g(params, x, y)
+    state = vk.init_hook_state(g, params, x, y)
+    step = jax.jit(g)
+    norms = []
+    for i in range(7):
+        _, captured, state = step(params, x + i, y, hook_state=state)
+        norms.append(captured["fc1"].grad_params["weight"])
+    jax.effects_barrier()
+    assert len(steps) == 3  # steps 0, 3, 6
+    np.testing.assert_allclose(steps[1]["fc1"].grad_params["weight"], norms[3])
+    assert float(state["__host__/0"]["count"]) == 7.0
+
+
+def test_capture_errors():
+    params, x, y = mlp_setup()
+    with pytest.raises(vk.ConfigError, match=r"'conv\*'.*matched no layer.*'fc1'"):
+        jax.jit(vk.grad(mlp_loss, capture="conv*")).lower(params, x, y)
+    with pytest.raises(vk.ConfigError, match=r"unknown reduction 'median'.*norm"):
+        vk.capture("fc*", reduce="median")
+    with pytest.raises(vk.ConfigError, match=r"unknown field"):
+        vk.capture("fc*", fields=["grad_weight"])
+    with pytest.raises(vk.ConfigError, match=r"capture="):
+        vk.grad(mlp_loss, capture=3)
+    with pytest.raises(vk.ConfigError, match=r"histogram"):
+        vk.capture("fc*", reduce=vk.histogram(0, (0, 1)))
+
+
+def test_no_retracing_with_capture():
+    params, x, y = mlp_setup()
+    traces = []
+
+    def counted(p, x, y):
+        traces.append(1)
+        return mlp_loss(p, x, y)
+
+    step = jax.jit(vk.grad(counted, capture=vk.capture("fc*", reduce="norm")))
+    for i in range(4):
+        step(params, x + i, y)
+    assert len(traces) == 2  # one shape-only discovery trace and one real trace, once
