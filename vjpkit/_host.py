@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._errors import ConfigError, HostHookError
@@ -57,8 +58,20 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
         jax.debug.callback(self._deliver, rec, ordered=True)
 
     def send(self, captured: dict) -> None:
-        """Delivers a step's captured records to ``fn`` in one ordered callback."""
-        jax.debug.callback(self._deliver_step, captured, ordered=True)
+        """Delivers a step's captured records to ``fn`` in one ordered callback.
+
+        The leaves are packed into one flat buffer per dtype inside the graph, so the
+        transfer costs one callback operand per dtype, not one per leaf.
+        """
+        leaves, treedef = jax.tree.flatten(captured)
+        dtypes = sorted({np.dtype(leaf.dtype).name for leaf in leaves})
+        buffers = [
+            jnp.concatenate([jnp.ravel(leaf) for leaf in leaves if np.dtype(leaf.dtype).name == dt])
+            for dt in dtypes
+        ]
+        layout = [(np.dtype(leaf.dtype).name, tuple(leaf.shape)) for leaf in leaves]
+        unpack = functools.partial(_unpack, treedef=treedef, layout=layout, dtypes=dtypes)
+        jax.debug.callback(lambda *bufs: self._deliver_step(unpack(bufs)), *buffers, ordered=True)
 
     def _deliver(self, rec: Cotangents) -> None:
         seen = self.counts[rec.key]
@@ -84,3 +97,15 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
 
     def __repr__(self) -> str:
         return f"on_host({getattr(self.fn, '__qualname__', self.fn)}, every={self.every})"
+
+
+def _unpack(buffers: tuple, *, treedef: Any, layout: list, dtypes: list) -> Any:
+    """Host side of :meth:`on_host.send`: the captured pytree from its packed buffers."""
+    flat = {dt: np.asarray(buf) for dt, buf in zip(dtypes, buffers)}
+    offsets = dict.fromkeys(dtypes, 0)
+    leaves = []
+    for dt, shape in layout:
+        size = int(np.prod(shape, dtype=np.int64))
+        leaves.append(flat[dt][offsets[dt] : offsets[dt] + size].reshape(shape))
+        offsets[dt] += size
+    return jax.tree.unflatten(treedef, leaves)
