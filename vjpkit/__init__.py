@@ -7,27 +7,67 @@
 from . import nn as nn
 from ._autodiff import grad as grad
 from ._autodiff import value_and_grad as value_and_grad
+from ._capture import CaptureSpec as CaptureSpec
+from ._capture import capture as capture
+from ._capture import histogram as histogram
 from ._errors import ConfigError as ConfigError
 from ._errors import HookError as HookError
 from ._errors import HostHookError as HostHookError
 from ._errors import SeedError as SeedError
 from ._errors import VjpkitError as VjpkitError
+from ._explicit import hvp as hvp
+from ._explicit import jacobian as jacobian
+from ._explicit import jvp as jvp
+from ._explicit import linearize as linearize
+from ._explicit import vjp as vjp
+from ._hooks import HookTransform as HookTransform
+from ._hooks import hook_chain as hook_chain
 from ._host import on_host as on_host
 from ._records import Cotangents as Cotangents
 from ._records import Tangents as Tangents
+from ._slots import init_hook_state as init_hook_state
+from ._transforms import AccumulateState as AccumulateState
+from ._transforms import AddNoiseState as AddNoiseState
+from ._transforms import EmaNormalizeState as EmaNormalizeState
+from ._transforms import accumulate_stats as accumulate_stats
+from ._transforms import add_noise as add_noise
+from ._transforms import clip_by_norm as clip_by_norm
+from ._transforms import ema_normalize as ema_normalize
+from ._transforms import scale as scale
+from ._transforms import zero as zero
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulateState",
+    "AddNoiseState",
+    "CaptureSpec",
     "ConfigError",
     "Cotangents",
+    "EmaNormalizeState",
     "HookError",
+    "HookTransform",
     "HostHookError",
     "SeedError",
     "Tangents",
     "VjpkitError",
+    "accumulate_stats",
+    "add_noise",
+    "capture",
+    "clip_by_norm",
+    "ema_normalize",
     "grad",
+    "histogram",
+    "hook_chain",
+    "hvp",
+    "init_hook_state",
+    "jacobian",
+    "jvp",
+    "linearize",
     "nn",
     "on_host",
+    "scale",
     "value_and_grad",
+    "vjp",
+    "zero",
 ]

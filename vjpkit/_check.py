@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._records import _describe
+from ._records import _describe, dtype_name
 
 
 def spec(x: Any) -> str:
@@ -21,7 +21,7 @@ def spec(x: Any) -> str:
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is None or dtype is None:
         return f"{type(x).__name__} {x!r}"
-    return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+    return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
 
 
 def check_like(expected: Any, got: Any, *, what: str, error: type[Exception], hint: str = "") -> None:
@@ -45,5 +45,7 @@ def check_like(expected: Any, got: Any, *, what: str, error: type[Exception], hi
         where = f"{what}, path {jax.tree_util.keystr(path) or '(root)'}"
         if getattr(g, "shape", None) is None or getattr(g, "dtype", None) is None:
             raise error(f"{where}: expected an array {spec(e)}, got {spec(g)}.{tail}")
-        if tuple(g.shape) != tuple(e.shape) or np.dtype(g.dtype) != np.dtype(e.dtype):
-            raise error(f"{where}: expected {spec(e)}, got {spec(g)}. There is no silent cast.{tail}")
+        dtype_differs = np.dtype(g.dtype) != np.dtype(e.dtype)
+        if tuple(g.shape) != tuple(e.shape) or dtype_differs:
+            cast = " There is no silent cast." if dtype_differs else ""
+            raise error(f"{where}: expected {spec(e)}, got {spec(g)}.{cast}{tail}")

@@ -21,6 +21,11 @@ import jax
 import numpy as np
 
 
+def dtype_name(dtype: Any) -> str:
+    """``float32``, ``bfloat16``, ... and ``float0`` (which numpy calls ``void``)."""
+    return "float0" if dtype == jax.dtypes.float0 else np.dtype(dtype).name
+
+
 def _describe(tree: Any) -> str:
     """Shapes and dtypes of a pytree, compactly: ``f32[4,3]`` or ``{'bias': f32[3]}``."""
 
@@ -31,7 +36,7 @@ def _describe(tree: Any) -> str:
         dtype = getattr(x, "dtype", None)
         if shape is None or dtype is None:
             return repr(x)
-        return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+        return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
 
     if tree is None:
         return "None"

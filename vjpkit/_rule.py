@@ -54,7 +54,15 @@ def call(fn: Callable, params: Any, inputs: tuple, kwargs: dict, default_name: s
             scope.states[key] = state
         return fn(params, *inputs, **kwargs)
     state = _layer_state(scope, key, hooks, params)
-    return _hooked_call(fn, scope, key, name, index, hooks, spec, state, params, inputs, kwargs)
+    try:
+        return _hooked_call(fn, scope, key, name, index, hooks, spec, state, params, inputs, kwargs)
+    except (TypeError, NotImplementedError) as err:
+        from ._jvp_rule import forward_mode_error
+
+        clear = forward_mode_error(err, scope.transform, key)
+        if clear is None:
+            raise
+        raise clear from err
 
 
 def _layer_state(scope: _context.Scope, key: str, hooks: Sequence[Callable], params: Any) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._errors import ConfigError
 from ._layer import Layer, layer
@@ -100,7 +101,7 @@ def _pool(reducer, init_value, window, stride, padding, average: bool, default_n
     def fn(params, x):
         del params
         y = jax.lax.reduce_window(
-            x, jnp.array(init_value(x.dtype), x.dtype), reducer, (1, wh, ww, 1), (1, sh, sw, 1), padding
+            x, np.array(init_value, x.dtype), reducer, (1, wh, ww, 1), (1, sh, sw, 1), padding
         )
         return y / jnp.array(wh * ww, x.dtype) if average else y
 
@@ -114,7 +115,7 @@ def max_pool(window=2, stride=None, padding="VALID", *, name: str | None = None)
         >>> nn.max_pool(2).apply({}, jnp.ones((1, 4, 4, 3))).shape
         (1, 2, 2, 3)
     """
-    return _pool(jax.lax.max, lambda dt: -jnp.inf, window, stride, padding, False, "max_pool", name)
+    return _pool(jax.lax.max, -np.inf, window, stride, padding, False, "max_pool", name)
 
 
 def avg_pool(window=2, stride=None, padding="VALID", *, name: str | None = None) -> Layer:
@@ -124,4 +125,4 @@ def avg_pool(window=2, stride=None, padding="VALID", *, name: str | None = None)
         >>> nn.avg_pool(2).apply({}, jnp.ones((1, 4, 4, 3))).shape
         (1, 2, 2, 3)
     """
-    return _pool(jax.lax.add, lambda dt: 0, window, stride, padding, True, "avg_pool", name)
+    return _pool(jax.lax.add, 0, window, stride, padding, True, "avg_pool", name)
