@@ -62,7 +62,7 @@ def _scalar_loss(fun: Callable, has_aux: bool, transform: str, scope: _context.S
                 "seed is 1.0 and is implied. A non-scalar output has no implied seed: reduce it to a "
                 "scalar (for example out.sum() or out.mean()), or give the seed explicitly, one "
                 "value per output element (the 'vector' of a vector-Jacobian product): "
-                f"`out, pullback = vk.vjp({fname}, *args); grads = pullback(seed)` with seed of "
+                f"`out, pullback = vk.vjp({fname}, *args); grads = pullback(seed)[0]` with seed of "
                 f"shape {shape} (jnp.ones({shape}) gives the gradient of out.sum())."
             )
         return out
