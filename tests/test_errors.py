@@ -162,3 +162,12 @@ def test_params_from_another_model():
     other = nn.serial(fc1=nn.dense(5), relu1=nn.relu(), fc2=nn.dense(4))
     with pytest.raises(vk.ConfigError, match=r"\['fc3'\]"):
         other.apply(params, x)
+
+
+def test_dropout_deterministic_must_be_static():
+    drop = nn.dropout(0.5)
+    x = jnp.ones((2, 3))
+    with pytest.raises(vk.ConfigError, match="static"):
+        jax.jit(drop.apply)({}, x, deterministic=True)
+    out = jax.jit(drop.apply, static_argnames="deterministic")({}, x, deterministic=True)
+    assert jnp.array_equal(out, x)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import pathlib
 import re
 
@@ -605,21 +603,3 @@ def test_hook_glob_must_match():
     ):
         with pytest.raises(vk.ConfigError, match="'conv\\*' matched no layer"):
             call()
-
-
-# --- docs --------------------------------------------------------------------------------
-
-
-def test_docs_snippets_run_and_print_what_they_show():
-    """Every python block of docs/vjp-jvp.md runs, in order, in one namespace, and prints its ``# `` lines."""
-    text = (ROOT / "docs" / "vjp-jvp.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) >= 10
-    namespace: dict = {}
-    for block in blocks:
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            exec(compile(block, "docs/vjp-jvp.md", "exec"), namespace)
-            jax.effects_barrier()
-        shown = [line[2:] for line in block.splitlines() if line.startswith("# ")]
-        assert [line.rstrip() for line in printed.getvalue().splitlines()] == shown, block

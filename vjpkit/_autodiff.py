@@ -103,6 +103,11 @@ def _transform(
         found = _context.Scope(mode="discover", **config)
         shaped = jax_transform(_scalar_loss(fun, has_aux, name, found), argnums=argnums, has_aux=has_aux)
         _slots.discover(found, lambda: shaped(*args, **kwargs))
+        if hook_state is not None and not found.states:
+            raise ConfigError(
+                f"{name}: hook_state= was given, but no hook on the layers called keeps state "
+                "(their vk.HookTransform states have no arrays). Drop hook_state=."
+            )
 
         scope = _context.Scope(mode="vjp", **config)
         scope.slots, scope.dtypes, scope.states = found.slots, found.dtypes, found.states
@@ -124,7 +129,7 @@ def _transform(
         captured, new_state = _slots.read_out(scope, grads[-1])
         result = (value, user_grads) if with_value else (user_grads, value) if has_aux else user_grads
         extras = ((captured,) if specs else ()) + ((new_state,) if hook_state is not None else ())
-        return (result, *extras)
+        return (result, *extras) if extras else result
 
     hooked.__vjpkit__ = dict(fun=fun, hooks=pairs, capture=specs, transform=name)
     return hooked

@@ -51,6 +51,11 @@ def _owner(key: str) -> str:
 
 def check_user_state(scope: _context.Scope, key: str, expected: Any) -> Any:
     """The user's state for ``key``, checked against the shapes ``init`` gives."""
+    if scope.hook_state is not None and not isinstance(scope.hook_state, dict):
+        raise ConfigError(
+            f"{scope.transform}: hook_state must be the dict {{call key: state}} returned last by the "
+            f"previous call (or by vk.init_hook_state), got {type(scope.hook_state).__name__}. {THREADING}"
+        )
     if scope.hook_state is None:
         raise ConfigError(
             f"{scope.transform}: {_owner(key)} keeps state across steps, so the function needs "
@@ -103,6 +108,9 @@ def read_out(scope: _context.Scope, probe_grads: dict[str, Any]) -> tuple[dict, 
             new_state[key] = jax.tree.map(
                 lambda new, o, r=ran: jnp.where(r, new, o), g["state"], scope.hook_state[key]
             )
+    for key in scope.states:  # stateful calls whose backward never ran keep their state
+        if key not in new_state and not key.startswith(HOST_KEY):
+            new_state[key] = scope.hook_state[key]
     for i, spec in enumerate(scope.capture):
         if spec.host is None:
             continue

@@ -10,6 +10,7 @@ cotangent's dtype.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -157,7 +158,8 @@ class AddNoiseState(NamedTuple):
 def add_noise(key: jax.Array, stddev: float, field: str | tuple[str, ...] = "grad_params") -> HookTransform:
     """Adds Gaussian noise ``N(0, stddev^2)`` to the chosen cotangent(s), fresh each step.
 
-    The noise of step ``t`` is drawn from ``fold_in(key, t)``; ``t`` lives in the hook state.
+    The noise of step ``t`` is drawn from ``key`` folded with ``t``, the call index and a hash of
+    the layer name, so layers and steps get independent noise; ``t`` lives in the hook state.
 
     Example:
         >>> hooks = {"fc*": vk.add_noise(jax.random.key(0), 1e-3)}
@@ -171,6 +173,7 @@ def add_noise(key: jax.Array, stddev: float, field: str | tuple[str, ...] = "gra
     def update(rec, state):
         step_key = jax.random.fold_in(key, state.count.astype(jnp.uint32))
         step_key = jax.random.fold_in(step_key, rec.call)
+        step_key = jax.random.fold_in(step_key, zlib.crc32(rec.name.encode()) & 0x7FFFFFFF)
 
         def noisy(tree):
             leaves, treedef = jax.tree.flatten(tree)

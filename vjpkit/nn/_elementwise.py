@@ -78,6 +78,13 @@ def dropout(rate: float, *, name: str | None = None) -> Layer:
 
     def fn(params, x, *, key=None, deterministic=False):
         del params
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise ConfigError(
+                f"nn.dropout: deterministic must be a Python bool, got {type(deterministic).__name__}. "
+                "It decides the graph, so under jax.jit make it static: "
+                "jax.jit(apply, static_argnames='deterministic') or "
+                "functools.partial(apply, deterministic=True)."
+            )
         if deterministic or rate == 0.0:
             return x
         if key is None:
