@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _context, _hooks
+from . import _context, _hooks, _slots
 from ._autodiff import grad as _vk_grad
+from ._capture import as_specs
 from ._check import check_like, spec
 from ._errors import ConfigError, SeedError
 from ._jvp_rule import forward_mode_error
@@ -303,7 +304,7 @@ def _stateless_init(init: Callable, glob: str, transform: str) -> Callable:
 # --- public transforms -------------------------------------------------------------------
 
 
-def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None = None):
+def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None = None, capture: Any = None):
     """``jax.vjp`` with a checked seed and named, hookable layer cotangents.
 
     Args:
@@ -313,6 +314,8 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
         has_aux: ``fun`` returns ``(out, aux)``; ``aux`` is returned, not differentiated.
         hooks: ``{glob: hook or [hooks]}`` as in :func:`vjpkit.grad`: hooks get
             :class:`Cotangents` when the pullback runs (also later, or under ``jit``).
+        capture: as in :func:`vjpkit.grad`: ``pullback(seed)`` then returns
+            ``(cotangents, captured)``, with ``captured = {call key: Cotangents}`` of this seed.
 
     Returns:
         ``(out, pullback)``, or ``(out, pullback, aux)`` with ``has_aux``. ``pullback(seed)``
@@ -332,6 +335,9 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
     """
     _check_callable(fun, "vk.vjp")
     pairs = _prepare_hooks(hooks, "vk.vjp", "vjp")
+    specs = as_specs(capture, "vk.vjp")
+    if specs:
+        return _captured_vjp(fun, primals, has_aux, pairs, specs)
     with _hook_scope(pairs, "vk.vjp", "vjp"):
         result = jax.vjp(_aux_checked(fun, has_aux, "vk.vjp"), *primals, has_aux=has_aux)
     out, jax_pullback = result[0], result[1]
@@ -340,6 +346,51 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
         hint += " If fun returns (out, aux), pass has_aux=True."
     checker = _Checked.make(_specs(out), what="vk.vjp pullback: the seed", hint=hint, star_args=False)
     pullback = jax.tree_util.Partial(checker, jax_pullback)
+    return (out, pullback, result[2]) if has_aux else (out, pullback)
+
+
+def _zero_seed(spec: jax.ShapeDtypeStruct) -> Any:
+    if jnp.issubdtype(spec.dtype, jnp.inexact):
+        return jnp.zeros(spec.shape, spec.dtype)
+    return np.zeros(spec.shape, jax.dtypes.float0)
+
+
+def _captured_vjp(fun: Callable, primals: tuple, has_aux: bool, pairs: tuple, specs: tuple):
+    """:func:`vjp` with ``capture``: a shape-only discovery trace, then the vjp with probes."""
+    if any(spec.host is not None and spec.host.every > 1 for spec in specs):
+        raise ConfigError(
+            "vk.vjp: capture host delivery with every > 1 needs a step counter in hook state, which "
+            "vk.vjp does not thread. Use every=1 here, or vk.grad / vk.value_and_grad with hook_state=."
+        )
+    f = _aux_checked(fun, has_aux, "vk.vjp")
+    found = _context.Scope(pairs, transform="vk.vjp", mode="discover", capture=specs)
+
+    def trace():
+        result = jax.vjp(f, *primals, has_aux=has_aux)
+        return result[1](jax.tree.map(_zero_seed, _specs(result[0])))
+
+    _slots.discover(found, trace)
+    found.check_matched()
+    scope = _context.Scope(pairs, transform="vk.vjp", mode="vjp", capture=specs)
+    scope.slots, scope.dtypes, scope.states = found.slots, found.dtypes, found.states
+
+    def with_probes(*args):
+        *user, scope.probes = args
+        return f(*user)
+
+    with _context.activate(scope):
+        result = jax.vjp(with_probes, *primals, _slots.probes(found), has_aux=has_aux)
+    out, jax_pullback = result[0], result[1]
+
+    def pullback_with_capture(seed):
+        cotangents = jax_pullback(seed)
+        captured, _ = _slots.read_out(scope, cotangents[-1])
+        return tuple(cotangents[:-1]), captured
+
+    checker = _Checked.make(
+        _specs(out), what="vk.vjp pullback: the seed", hint=SEED_SENTENCE, star_args=False
+    )
+    pullback = functools.partial(checker, pullback_with_capture)
     return (out, pullback, result[2]) if has_aux else (out, pullback)
 
 
