@@ -136,10 +136,12 @@ def validate(rec: Cotangents, new: Any, hook: Callable) -> Cotangents:
         if got is expected:
             continue
         if expected is None:
-            raise HookError(
-                f"{who} set field {field!r}, which is None because that input needs no gradient "
-                "(nothing upstream uses it). Leave it None."
+            why = (
+                "that input needs no gradient (nothing upstream uses it)"
+                if field == "grad_input"
+                else "the params are not being differentiated (see argnums)"
             )
+            raise HookError(f"{who} set field {field!r}, which is None because {why}. Leave it None.")
         check_like(
             expected,
             got,
