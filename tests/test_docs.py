@@ -1,4 +1,4 @@
-"""Every python block of every page in docs/ runs, and prints exactly its ``# `` lines.
+"""Every python block of the README and of every page in docs/ runs, and prints exactly its ``# `` lines.
 
 Convention for the docs: a python block is run top to bottom in one namespace per page, and
 the whole-line comments starting with ``# `` in a block are what that block prints.
@@ -14,19 +14,19 @@ import re
 import jax
 import pytest
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-PAGES = sorted(p.name for p in DOCS.glob("*.md"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_doc_snippets_run_and_print_what_they_show(page):
-    blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
     namespace: dict = {}
     for block in blocks:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            exec(compile(block, f"docs/{page}", "exec"), namespace)
+            exec(compile(block, page, "exec"), namespace)
             jax.effects_barrier()
         shown = [line[2:] for line in block.splitlines() if line.startswith("# ")]
         assert [line.rstrip() for line in printed.getvalue().splitlines()] == shown, block
