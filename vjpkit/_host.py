@@ -65,25 +65,32 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
         """
         leaves, treedef = jax.tree.flatten(captured)
         dtypes = sorted({np.dtype(leaf.dtype).name for leaf in leaves})
-        buffers = [
-            jnp.concatenate([jnp.ravel(leaf) for leaf in leaves if np.dtype(leaf.dtype).name == dt])
-            for dt in dtypes
-        ]
-        layout = [(np.dtype(leaf.dtype).name, tuple(leaf.shape)) for leaf in leaves]
-        unpack = functools.partial(_unpack, treedef=treedef, layout=layout, dtypes=dtypes)
-        jax.debug.callback(lambda *bufs: self._deliver_step(unpack(bufs)), *buffers, ordered=True)
+        groups = {
+            dt: [i for i, leaf in enumerate(leaves) if np.dtype(leaf.dtype).name == dt] for dt in dtypes
+        }
+        buffers = [jnp.concatenate([jnp.ravel(leaves[i]) for i in groups[dt]]) for dt in dtypes]
+        slices: list = [None] * len(leaves)  # (buffer index, start, stop, shape) per leaf
+        for b, dt in enumerate(dtypes):
+            start = 0
+            for i in groups[dt]:
+                size = int(np.prod(leaves[i].shape, dtype=np.int64))
+                slices[i] = (b, start, start + size, tuple(leaves[i].shape))
+                start += size
+
+        def deliver(*bufs):
+            host = [np.asarray(buf) for buf in bufs]
+            out = [host[b][lo:hi].reshape(shape) for b, lo, hi, shape in slices]
+            self._run(jax.tree.unflatten(treedef, out), f"captured records of {sorted(captured)}")
+
+        jax.debug.callback(deliver, *buffers, ordered=True)
 
     def _deliver(self, rec: Cotangents) -> None:
         seen = self.counts[rec.key]
         self.counts[rec.key] = seen + 1
         if seen % self.every == 0:
-            self._run(rec, f"layer {rec.name!r} (call {rec.call})")
-
-    def _deliver_step(self, captured: dict) -> None:
-        self._run(captured, f"captured records of {sorted(captured)}")
+            self._run(jax.tree.map(np.asarray, rec), f"layer {rec.name!r} (call {rec.call})")
 
     def _run(self, payload: Any, where: str) -> None:
-        payload = jax.tree.map(np.asarray, payload)
         try:
             self.fn(payload)
         except Exception as err:
@@ -97,15 +104,3 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
 
     def __repr__(self) -> str:
         return f"on_host({getattr(self.fn, '__qualname__', self.fn)}, every={self.every})"
-
-
-def _unpack(buffers: tuple, *, treedef: Any, layout: list, dtypes: list) -> Any:
-    """Host side of :meth:`on_host.send`: the captured pytree from its packed buffers."""
-    flat = {dt: np.asarray(buf) for dt, buf in zip(dtypes, buffers)}
-    offsets = dict.fromkeys(dtypes, 0)
-    leaves = []
-    for dt, shape in layout:
-        size = int(np.prod(shape, dtype=np.int64))
-        leaves.append(flat[dt][offsets[dt] : offsets[dt] + size].reshape(shape))
-        offsets[dt] += size
-    return jax.tree.unflatten(treedef, leaves)
