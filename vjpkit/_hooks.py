@@ -106,13 +106,13 @@ def check_float_state(state: Any, key: str) -> None:
             )
 
 
-def _name(hook: Callable) -> str:
+def hook_name(hook: Callable) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
 def validate(rec: Cotangents, new: Any, hook: Callable) -> Cotangents:
     """Checks that ``new`` may replace ``rec`` (returned by ``hook``) and returns it."""
-    who = f"hook {_name(hook)} on layer {rec.name!r} (call {rec.call})"
+    who = f"hook {hook_name(hook)} on layer {rec.name!r} (call {rec.call})"
     if new is None:
         return rec
     if not isinstance(new, Cotangents):
@@ -165,7 +165,7 @@ def run(rec: Cotangents, hooks: Sequence[Callable], state: Any) -> tuple[Cotange
                 check_like(
                     old,
                     new,
-                    what=f"hook state of layer {rec.name!r} (call {rec.call}), from {_name(hook.update)}",
+                    what=f"hook state of layer {rec.name!r} (call {rec.call}), from {hook_name(hook.update)}",
                     error=HookError,
                     hint="update(rec, state) must return a state of the same structure, shapes and dtypes.",
                 )

@@ -31,6 +31,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import _context
 from ._check import check_like
 from ._errors import ConfigError, HookError
+from ._hooks import hook_name
 from ._records import Tangents
 from ._trees import merge, scatter, select, split_kwargs
 
@@ -76,12 +77,8 @@ def _is_zero(t: Any) -> bool:
     return isinstance(t, SymbolicZero)
 
 
-def _hook_name(hook: Callable) -> str:
-    return getattr(hook, "__qualname__", None) or type(hook).__name__
-
-
 def _replacement(rec: Tangents, new: Any, hook: Callable) -> Tangents:
-    who = f"tangent hook {_hook_name(hook)} on layer {rec.name!r} (call {rec.call})"
+    who = f"tangent hook {hook_name(hook)} on layer {rec.name!r} (call {rec.call})"
     if not isinstance(new, Tangents):
         raise HookError(
             f"{who} returned {type(new).__name__}, not a Tangents record. A tangent hook returns "
