@@ -5,6 +5,7 @@
 """
 
 from . import nn as nn
+from . import train as train
 from ._autodiff import grad as grad
 from ._autodiff import value_and_grad as value_and_grad
 from ._capture import CaptureSpec as CaptureSpec
@@ -13,6 +14,7 @@ from ._capture import histogram as histogram
 from ._errors import ConfigError as ConfigError
 from ._errors import HookError as HookError
 from ._errors import HostHookError as HostHookError
+from ._errors import NonFiniteError as NonFiniteError
 from ._errors import SeedError as SeedError
 from ._errors import VjpkitError as VjpkitError
 from ._explicit import hvp as hvp
@@ -48,6 +50,7 @@ __all__ = [
     "HookError",
     "HookTransform",
     "HostHookError",
+    "NonFiniteError",
     "SeedError",
     "Tangents",
     "VjpkitError",
@@ -67,6 +70,7 @@ __all__ = [
     "nn",
     "on_host",
     "scale",
+    "train",
     "value_and_grad",
     "vjp",
     "zero",

@@ -32,3 +32,22 @@ class HostHookError(VjpkitError, RuntimeError):
     """
 
     original: BaseException | None = None
+
+
+class NonFiniteError(VjpkitError, FloatingPointError):
+    """Training met a NaN or Inf loss (``fit(..., nan_policy="stop")``).
+
+    Attributes:
+        step: the first step whose loss was not finite.
+        layer: the call key of the first layer, in backward order, with a non-finite
+            cotangent, or ``None`` when no layer could be named.
+        field: that layer's first non-finite field (``grad_output``, ``grad_input``, ``grad_params``).
+        state: the training state just before that step (the step and later ones were not applied).
+        history: the metrics history up to the stop.
+    """
+
+    step: int = -1
+    layer: str | None = None
+    field: str | None = None
+    state: object = None
+    history: object = None

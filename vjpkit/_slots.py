@@ -100,7 +100,8 @@ def probes(scope: _context.Scope) -> dict[str, Any]:
 def read_out(scope: _context.Scope, probe_grads: dict[str, Any]) -> tuple[dict, dict]:
     """``(captured, new_state)`` from the probes' gradients."""
     captured, new_state = {}, {}
-    for key, g in probe_grads.items():
+    for key in scope.slots:  # backward order (outside jit; jit returns dicts sorted by key)
+        g = probe_grads[key]
         if g["captured"] is not None:
             captured[key] = jax.tree.map(lambda a, dt: a.astype(dt), g["captured"], scope.dtypes[key])
         if g["state"] is not None:

@@ -1,0 +1,53 @@
+"""The training state: everything a step reads and writes, as one pytree.
+
+Contract: :class:`TrainState` holds only arrays (and optax/vjpkit NamedTuples and dicts of
+arrays), so it can be jitted, donated, sharded and checkpointed whole. ``rng`` is a raw
+``uint32[2]`` key (``jax.random.PRNGKey``) so checkpoints store it as plain data.
+``nonfinite_step`` is ``-1`` until a step's loss is NaN or Inf; with ``nan_policy="stop"`` the
+step that sees it, and every step after it, leaves the state unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class TrainState(NamedTuple):
+    """The state of a training run.
+
+    Attributes:
+        params: the model parameters.
+        opt_state: the optax optimizer state.
+        hook_state: ``{call key: state}`` of stateful hooks (``{}`` when none keeps state).
+        step: the number of steps taken (int32 scalar).
+        rng: a ``uint32[2]`` PRNG key; each step splits it and passes a subkey to the loss as
+            ``key=`` when the loss accepts one.
+        nonfinite_step: the first step whose loss was not finite, or -1 (int32 scalar).
+
+    Example:
+        >>> state = vk.train.TrainState.create(params, optax.sgd(0.1), seed=0)
+        >>> int(state.step)
+        0
+    """
+
+    params: Any
+    opt_state: Any
+    hook_state: Any
+    step: jax.Array
+    rng: jax.Array
+    nonfinite_step: jax.Array
+
+    @classmethod
+    def create(cls, params: Any, optimizer: Any, *, hook_state: Any = None, seed: int = 0) -> TrainState:
+        """A fresh state: ``optimizer.init(params)``, step 0, ``PRNGKey(seed)``."""
+        return cls(
+            params=params,
+            opt_state=optimizer.init(params),
+            hook_state={} if hook_state is None else hook_state,
+            step=jnp.zeros((), jnp.int32),
+            rng=jax.random.PRNGKey(seed),
+            nonfinite_step=jnp.full((), -1, jnp.int32),
+        )

@@ -1,0 +1,131 @@
+"""One jitted training step: vjpkit gradients (hooks, capture, hook state) and an optax update.
+
+Contract: :func:`make_step` returns ``step(state, batch) -> (state, metrics)``, a plain
+``jax.jit`` function with the state donated. ``metrics`` has ``"loss"`` and, with ``capture``,
+``"captured"``. The loss is ``loss_fn(params, batch)``, or ``loss_fn(params, batch, key=k)``
+when it declares ``key``; ``k`` is split from ``state.rng`` each step. Hook state is threaded
+through ``state.hook_state`` when the hooks keep any. Everything is checked at trace time, so
+``jax.eval_shape(step, state, batch)`` validates a configuration without compiling.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .. import _autodiff
+from .._errors import ConfigError
+from ._state import TrainState
+
+NAN_POLICIES = ("stop", "continue", "off")
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Raises unless ``optimizer`` is an optax ``GradientTransformation``."""
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise ConfigError(
+            f"the optimizer must be an optax.GradientTransformation (for example optax.sgd(0.1) or "
+            f"optax.adam(1e-3)), got {type(optimizer).__name__}. Pass the transformation itself, "
+            "not its init/update functions or an optimizer state."
+        )
+
+
+def _wants_key(loss_fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "key" in parameters
+
+
+def _select(ok: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def make_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    hooks: dict | None = None,
+    capture: Any = None,
+    nan_policy: str = "stop",
+    jit: bool = True,
+) -> Callable:
+    """A training step ``step(state, batch) -> (state, metrics)``.
+
+    Args:
+        loss_fn: ``loss_fn(params, batch[, key=k]) -> scalar``.
+        optimizer: an optax ``GradientTransformation``.
+        hooks: layer hooks, as in :func:`vjpkit.grad`; stateful ones use ``state.hook_state``.
+        capture: capture spec(s), as in :func:`vjpkit.grad`; records go to ``metrics["captured"]``.
+        nan_policy: ``"stop"``: a step whose loss is not finite, and every later one, leaves the
+            state unchanged (``state.nonfinite_step`` records it); ``"continue"``: it is recorded
+            and training goes on; ``"off"``: nothing is checked.
+        jit: return the ``jax.jit``-compiled step (state donated); ``False`` gives the traceable
+            function, for ``lax.scan`` or a custom jit.
+
+    Example:
+        >>> step = vk.train.make_step(loss_fn, optax.sgd(0.1))
+        >>> state, metrics = step(vk.train.TrainState.create(params, optax.sgd(0.1)), (x, y))
+    """
+    check_optimizer(optimizer)
+    if nan_policy not in NAN_POLICIES:
+        raise ConfigError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}.")
+    wants_key = _wants_key(loss_fn)
+    value_and_grad = _autodiff.value_and_grad(loss_fn, hooks=hooks, capture=capture)
+    captures = capture is not None
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        rng, key = jax.random.split(state.rng)
+        kwargs = {"key": key} if wants_key else {}
+        if state.hook_state:
+            out = value_and_grad(state.params, batch, hook_state=state.hook_state, **kwargs)
+            hook_state = out[-1]
+        else:
+            out = value_and_grad(state.params, batch, **kwargs)
+            hook_state = state.hook_state
+        if captures:
+            (loss, grads), captured = out[0], out[1]
+        else:
+            (loss, grads), captured = (out[0] if state.hook_state else out), None
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new = TrainState(
+            optax.apply_updates(state.params, updates),
+            opt_state,
+            hook_state,
+            state.step + 1,
+            rng,
+            state.nonfinite_step,
+        )
+        if nan_policy != "off":
+            finite = jnp.isfinite(loss)
+            first_bad = jnp.where((state.nonfinite_step < 0) & ~finite, state.step, state.nonfinite_step)
+            new = new._replace(nonfinite_step=first_bad)
+            if nan_policy == "stop":
+                ok = first_bad < 0
+                new = TrainState(
+                    *_select(ok, tuple(new[:3]), tuple(state[:3])), new.step, new.rng, new.nonfinite_step
+                )
+        metrics = {"loss": loss}
+        if captures:
+            metrics["captured"] = captured
+        return new, metrics
+
+    return jax.jit(step, donate_argnums=0) if jit else step
+
+
+def init_hook_state(loss_fn: Callable, hooks: Any, capture: Any, params: Any, batch: Any) -> dict:
+    """The initial ``hook_state`` for :func:`make_step`'s hooks (``{}`` when none keeps state)."""
+    from .._slots import init_hook_state as _init
+
+    if hooks is None and capture is None:
+        return {}
+    g = _autodiff.value_and_grad(loss_fn, hooks=hooks, capture=capture)
+    if _wants_key(loss_fn):
+        return _init(g, params, batch, key=jax.random.PRNGKey(0))
+    return _init(g, params, batch)
