@@ -272,3 +272,12 @@ def test_bad_inputs_are_clear_errors():
         vk.train.fit(loss_fn, OPT, params, (x, y), batch_size=10, steps=2, nan_policy="ignore")
     with pytest.raises(vk.ConfigError, match="on_records"):
         vk.train.fit(loss_fn, OPT, params, (x, y), batch_size=10, steps=2, on_records=print)
+
+
+def test_uneven_batches_of_an_iterable_are_skipped_with_a_warning():
+    x, y = make_data()
+    params = init_params(x)
+    batches = [(x[i : i + 10], y[i : i + 10]) for i in range(0, 103, 10)]  # the last one has 3 rows
+    with pytest.warns(RuntimeWarning, match="skipped a batch of 3"):
+        state, history = vk.train.fit(loss_fn, OPT, params, batches)
+    assert int(state.step) == 10 and len(history["loss"]) == 10

@@ -4,12 +4,14 @@ Contract: :class:`ArrayBatches` draws batch ``t`` of a run from the step count a
 ``t // batches_per_epoch`` is a permutation seeded by ``(seed, epoch)``, so a resumed run sees
 exactly the batches the uninterrupted run would have. An incomplete last batch of an epoch is
 dropped. :class:`IterableBatches` wraps any iterable; resuming skips the batches already
-consumed. Both check, before anything is compiled, that every leaf of a batch has the same
+consumed, and a batch whose size differs from the first one's (an uneven last batch) is
+skipped with a warning. Both check, before anything is compiled, that every leaf of a batch has the same
 leading size, and that the batch size fits the data.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -93,11 +95,22 @@ class IterableBatches:
         self.data = data
 
     def iterate(self, start: int) -> Iterator[Any]:
+        """Batches from step ``start`` on; a batch whose size differs from the first is skipped."""
         it = iter(self.data)
         for _ in range(start):
             next(it)
+        size = None
         for batch in it:
-            check_batch(batch)
+            n = check_batch(batch)
+            size = n if size is None else size
+            if n != size:
+                warnings.warn(
+                    f"fit skipped a batch of {n} examples (the batches have {size}): an uneven batch "
+                    "would recompile the step and may not split over the mesh.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
             yield batch
 
 

@@ -152,9 +152,9 @@ def fit(
     state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # steps donate it; keep the caller's
     if mesh is not None:
         state = replicate(state, mesh)
-        put = lambda b: shard_batch(b, mesh)
+        put = lambda b, dim=0: shard_batch(b, mesh, batch_dim=dim)
     else:
-        put = lambda b: b
+        put = lambda b, dim=0: b
 
     single = jax.jit(step_fn, donate_argnums=0)
     multi = jax.jit(lambda s, bs: jax.lax.scan(step_fn, s, bs), donate_argnums=0) if scan_steps > 1 else None
@@ -240,7 +240,7 @@ def fit(
             if not group:
                 break
             if len(group) == k and k > 1:
-                state, metrics = multi(state, put(_stack(group)))
+                state, metrics = multi(state, put(_stack(group), 1))
                 pending.append((t, k, metrics, True))
                 t += k
             else:
