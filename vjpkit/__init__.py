@@ -4,6 +4,7 @@
 >>> from vjpkit import nn
 """
 
+from . import inspect as inspect
 from . import nn as nn
 from . import train as train
 from ._autodiff import grad as grad
@@ -37,6 +38,7 @@ from ._transforms import clip_by_norm as clip_by_norm
 from ._transforms import ema_normalize as ema_normalize
 from ._transforms import scale as scale
 from ._transforms import zero as zero
+from .inspect import explain as explain
 
 __version__ = "0.1.0"
 
@@ -59,11 +61,13 @@ __all__ = [
     "capture",
     "clip_by_norm",
     "ema_normalize",
+    "explain",
     "grad",
     "histogram",
     "hook_chain",
     "hvp",
     "init_hook_state",
+    "inspect",
     "jacobian",
     "jvp",
     "linearize",

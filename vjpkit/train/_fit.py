@@ -23,8 +23,8 @@ import numpy as np
 import optax
 
 from .._errors import ConfigError, NonFiniteError
+from ..inspect._nonfinite import first_nonfinite
 from ._data import ArrayBatches, check_batch, make_batches
-from ._nonfinite import first_nonfinite
 from ._state import TrainState
 from ._step import check_optimizer, init_hook_state, make_step
 
