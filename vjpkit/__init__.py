@@ -1,7 +1,8 @@
 """vjpkit: every layer's backward pass, visible, exact and programmable.
 
->>> import vjpkit as vk
->>> from vjpkit import nn
+Examples:
+    >>> import vjpkit as vk
+    >>> from vjpkit import nn
 """
 
 from . import inspect as inspect

@@ -2,7 +2,7 @@
 
 Contract: without ``hooks`` these return exactly what ``jax.grad`` / ``jax.value_and_grad``
 return (only error messages are rewritten to be clearer). With ``hooks``, the returned
-function opens a :class:`~vjpkit._context.Scope` while JAX traces ``fun``, so every layer
+function opens a ``Scope`` while JAX traces ``fun``, so every layer
 call whose path matches a glob is routed through the custom_vjp rule of ``_rule``. The hook
 configuration belongs to the returned function: ``jax.jit`` of it compiles the hooks in.
 """
@@ -160,7 +160,7 @@ def grad(
         ``capture``, ``(result, captured)``. When hooks keep state (``vk.HookTransform``), it
         takes ``hook_state=`` and returns the new state last: ``(result[, captured], state)``.
 
-    Example:
+    Examples:
         >>> def halve_fc1(rec):
         ...     return rec.replace(grad_params=jax.tree.map(lambda g: g / 2, rec.grad_params))
         >>> grads = jax.jit(vk.grad(loss, hooks={"fc1": halve_fc1}))(params, x, y)
@@ -176,9 +176,9 @@ def value_and_grad(
     hooks: dict | None = None,
     capture: Any = None,
 ) -> Callable:
-    """``jax.value_and_grad`` with named, hookable layer cotangents; see :func:`grad`.
+    """``jax.value_and_grad`` with named, hookable layer cotangents; see ``grad``.
 
-    Example:
+    Examples:
         >>> (loss_value, grads) = vk.value_and_grad(loss, hooks={"fc*": vk.on_host(print)})(params, x, y)
     """
     return _transform(jax.value_and_grad, "vk.value_and_grad", fun, argnums, has_aux, hooks, capture)

@@ -1,8 +1,8 @@
 """Capture specs: which layers and fields to return from the graph, and how to reduce them.
 
-Contract: :func:`capture` builds a :class:`CaptureSpec`; :func:`as_specs` turns what a user
+Contract: ``capture`` builds a ``CaptureSpec``; ``as_specs`` turns what a user
 passes as ``capture=`` (a glob, a list of globs, a spec, or a list of specs) into specs.
-:func:`reduce_record` keeps the chosen fields of a record and reduces each array leaf inside
+``reduce_record`` keeps the chosen fields of a record and reduces each array leaf inside
 the graph: with one reduction a leaf becomes a float32 scalar (a ``(bins,)`` vector for a
 histogram); with several, a dict ``{reduction name: value}``. Unchosen fields become ``None``.
 """
@@ -42,7 +42,7 @@ class histogram(NamedTuple):  # noqa: N801  (used like a reduction name)
     Values below or above ``range`` are counted in the first or last bin, so the counts always
     sum to the number of elements; NaNs are not counted.
 
-    Example:
+    Examples:
         >>> spec = vk.capture("fc*", fields=["grad_output"], reduce=vk.histogram(32, (-1e-2, 1e-2)))
     """
 
@@ -62,7 +62,7 @@ class histogram(NamedTuple):  # noqa: N801  (used like a reduction name)
 
 
 class CaptureSpec(NamedTuple):
-    """What to capture: see :func:`capture`."""
+    """What to capture: see ``capture``."""
 
     layers: tuple[str, ...]
     fields: tuple[str, ...]
@@ -104,7 +104,7 @@ def capture(
         host: ``vk.on_host(fn, every=N)``: ``fn`` receives the whole step's captured dict on
             the host, in one transfer per step (per N steps).
 
-    Example:
+    Examples:
         >>> spec = vk.capture("conv*", fields=["grad_params"], reduce=["norm", "nonfinite_count"])
         >>> (loss, grads), captured = jax.jit(vk.value_and_grad(loss_fn, capture=spec))(params, x, y)
         >>> captured["conv1"].grad_params["weight"]["norm"]

@@ -1,6 +1,6 @@
 """Trace-time checks that a pytree matches an expected one, leaf by leaf.
 
-Contract: :func:`check_like` compares pytree structure, then each leaf's shape and dtype, and
+Contract: ``check_like`` compares pytree structure, then each leaf's shape and dtype, and
 raises the given error class with the tree path, the expected value and the actual value.
 It never casts. Leaves are anything with ``.shape`` and ``.dtype`` (arrays, tracers,
 ``jax.ShapeDtypeStruct``); ``None`` marks an absent subtree, as in JAX.

@@ -1,8 +1,8 @@
 """Trace-time state: layer names, call counters and the active hook scope.
 
-Contract: a :class:`Scope` exists only while a vjpkit transform (``vk.grad``, ...) traces the
-function it was given. Outside one, :func:`current` is ``None`` and layers are plain functions.
-Layer names come from :func:`name_scope`, which combinators push around their children; the
+Contract: a ``Scope`` exists only while a vjpkit transform (``vk.grad``, ...) traces the
+function it was given. Outside one, ``current`` is ``None`` and layers are plain functions.
+Layer names come from ``name_scope``, which combinators push around their children; the
 full name joins the stack with ``/``. Hook configuration lives in the scope, which belongs to
 one transformed function: nothing here is global configuration, only a thread-local stack.
 """
@@ -35,8 +35,8 @@ class Scope:
     Attributes:
         hooks: ``(glob, (hook, ...))`` pairs, in the user's order.
         transform: the public name of the transform, for error messages.
-        mode: ``"vjp"`` (reverse-mode hooks get :class:`Cotangents`), ``"jvp"`` (forward-mode
-            hooks get :class:`Tangents`), ``"discover"`` (a shape-only trace that fills
+        mode: ``"vjp"`` (reverse-mode hooks get ``Cotangents``), ``"jvp"`` (forward-mode
+            hooks get ``Tangents``), ``"discover"`` (a shape-only trace that fills
             ``slots`` and ``states``) or ``"init"`` (a forward pass that fills ``states``).
         capture: capture specs (``vjpkit._capture.CaptureSpec``).
         hook_state: the user's hook state, ``{call key: state}``, or ``None``.

@@ -1,7 +1,7 @@
 """Exception types raised by vjpkit.
 
 Every vjpkit error says what happened and what to do, and names the layer, the field and
-the tree path where one applies. All inherit from :class:`VjpkitError`, and also from the
+the tree path where one applies. All inherit from ``VjpkitError``, and also from the
 builtin a user would catch for the same mistake (``ValueError``, ``TypeError``).
 """
 
@@ -25,7 +25,7 @@ class SeedError(VjpkitError, TypeError):
 
 
 class HostHookError(VjpkitError, RuntimeError):
-    """A function run on the host by :func:`vjpkit.on_host` raised an exception.
+    """A function run on the host by ``vjpkit.on_host`` raised an exception.
 
     Attributes:
         original: the exception the host function raised.

@@ -4,7 +4,7 @@ Contract:
 
 * Without ``hooks`` each returns what its ``jax`` counterpart returns, with the same structure.
   Only the checks differ: seeds and tangents are checked against the value they pair with
-  before anything is computed, and bad ones raise :class:`SeedError` naming the tree path, the
+  before anything is computed, and bad ones raise ``SeedError`` naming the tree path, the
   expected and the actual ``dtype[shape]``. Integer and boolean primals are allowed, as in JAX,
   and get ``float0`` cotangents; their tangents and the seeds of integer outputs must be
   ``float0`` (the tangent type of a value that cannot change infinitesimally).
@@ -13,14 +13,14 @@ Contract:
   when it is of the same kind (a real number for a real or complex dtype, a complex one for a
   complex dtype) and has the right shape. Every other leaf must have exactly the expected
   dtype: a committed dtype is never upcast or downcast.
-* With ``hooks``, the transform opens a :class:`~vjpkit._context.Scope` while JAX traces
+* With ``hooks``, the transform opens a ``Scope`` while JAX traces
   ``fun``: ``vjp`` and ``jacobian(mode="rev")`` route matching layers through the custom_vjp
-  rule (hooks get :class:`Cotangents`; the returned pullback keeps them, also when it runs
+  rule (hooks get ``Cotangents``; the returned pullback keeps them, also when it runs
   later or under ``jit``), ``jvp``, ``linearize`` and ``jacobian(mode="fwd")`` through the
-  custom_jvp rule of ``_jvp_rule`` (hooks get :class:`Tangents`). ``hvp`` is forward over
-  reverse: ``jax.jvp`` of ``vk.grad(fun, hooks=hooks)``, so its hooks get :class:`Cotangents`.
+  custom_jvp rule of ``_jvp_rule`` (hooks get ``Tangents``). ``hvp`` is forward over
+  reverse: ``jax.jvp`` of ``vk.grad(fun, hooks=hooks)``, so its hooks get ``Cotangents``.
 * Forward mode cannot differentiate a layer hooked for reverse mode: JAX's bare message for
-  that is replaced by a :class:`ConfigError` saying what to use instead.
+  that is replaced by a ``ConfigError`` saying what to use instead.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def check_cast(expected: Any, got: Any, *, what: str, hint: str) -> Any:
     Raises:
         SeedError: naming the path and the expected and actual ``dtype[shape]``.
 
-    Example:
+    Examples:
         >>> check_cast(jax.ShapeDtypeStruct((), jnp.float32), 1.0, what="seed", hint="")
         Array(1., dtype=float32)
     """
@@ -312,9 +312,9 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
         *primals: the point at which to differentiate. Integer primals are allowed and get
             ``float0`` cotangents, as in ``jax.vjp``.
         has_aux: ``fun`` returns ``(out, aux)``; ``aux`` is returned, not differentiated.
-        hooks: ``{glob: hook or [hooks]}`` as in :func:`vjpkit.grad`: hooks get
-            :class:`Cotangents` when the pullback runs (also later, or under ``jit``).
-        capture: as in :func:`vjpkit.grad`: ``pullback(seed)`` then returns
+        hooks: ``{glob: hook or [hooks]}`` as in ``vjpkit.grad``: hooks get
+            ``Cotangents`` when the pullback runs (also later, or under ``jit``).
+        capture: as in ``vjpkit.grad``: ``pullback(seed)`` then returns
             ``(cotangents, captured)``, with ``captured = {call key: Cotangents}`` of this seed.
 
     Returns:
@@ -326,7 +326,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
         SeedError: a seed whose structure, shape or dtype does not match ``out`` (see the
             module's casting rule), or ``has_aux=True`` with ``fun`` not returning a pair.
 
-    Example:
+    Examples:
         >>> out, pullback = vk.vjp(lambda x, a: x @ a, jnp.ones((2, 3)), jnp.ones((3, 4)))
         >>> grad_x, grad_a = pullback(jnp.array([[1.0, 2, 3, 4], [5, 6, 7, 8]]))
         >>> grad_x
@@ -356,7 +356,7 @@ def _zero_seed(spec: jax.ShapeDtypeStruct) -> Any:
 
 
 def _captured_vjp(fun: Callable, primals: tuple, has_aux: bool, pairs: tuple, specs: tuple):
-    """:func:`vjp` with ``capture``: a shape-only discovery trace, then the vjp with probes."""
+    """``vjp`` with ``capture``: a shape-only discovery trace, then the vjp with probes."""
     if any(spec.host is not None and spec.host.every > 1 for spec in specs):
         raise ConfigError(
             "vk.vjp: capture host delivery with every > 1 needs a step counter in hook state, which "
@@ -411,14 +411,14 @@ def jvp(
             integer primals).
         hooks: ``{glob: hook or [hooks]}``. A tangent hook is ``rec -> None | Tangents``; it
             may return ``rec.replace(tangent_output=...)`` (same structure, shape and dtype),
-            and ``vk.on_host(fn)`` works as in :func:`vjpkit.grad`. Hooks fire in forward
+            and ``vk.on_host(fn)`` works as in ``vjpkit.grad``. Hooks fire in forward
             order, for each layer call that a non-zero tangent reaches.
         has_aux: ``fun`` returns ``(out, aux)``; the result is then ``(out, tangent_out, aux)``.
 
     Returns:
         ``(out, tangent_out)``: ``fun(*primals)`` and J @ tangents.
 
-    Example:
+    Examples:
         >>> out, t_out = vk.jvp(jnp.sin, (jnp.zeros(3),), (jnp.ones(3),))
         >>> t_out
         Array([1., 1., 1.], dtype=float32)
@@ -437,13 +437,13 @@ def linearize(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict |
     """``jax.linearize`` with checked tangents and named, hookable layer tangents.
 
     The forward pass runs once; ``f_jvp(*tangents)`` then costs about one forward pass each
-    time. Tangent hooks (see :func:`jvp`) become part of ``f_jvp`` and fire at each call.
+    time. Tangent hooks (see ``jvp``) become part of ``f_jvp`` and fire at each call.
 
     Returns:
         ``(out, f_jvp)``, or ``(out, f_jvp, aux)`` with ``has_aux``. ``f_jvp`` takes one tangent
         per primal and returns J @ tangents; it is a pytree, so ``jit`` can take it.
 
-    Example:
+    Examples:
         >>> out, f_jvp = vk.linearize(jnp.sin, jnp.zeros(3))
         >>> f_jvp(jnp.ones(3))
         Array([1., 1., 1.], dtype=float32)
@@ -485,12 +485,12 @@ def hvp(fun: Callable, primals: Sequence[Any], tangents: Any, *, hooks: dict | N
         fun: a scalar function ``fun(*primals)``.
         primals: a tuple; ``primals[0]`` is differentiated (float leaves only), the rest are fixed.
         tangents: the vector, with the structure, shapes and dtypes of ``primals[0]``.
-        hooks: reverse-mode hooks, as in :func:`vjpkit.grad` (they get :class:`Cotangents`).
+        hooks: reverse-mode hooks, as in ``vjpkit.grad`` (they get ``Cotangents``).
 
     Returns:
         ``H @ tangents``, with the structure of ``primals[0]``.
 
-    Example:
+    Examples:
         >>> vk.hvp(lambda x: jnp.sum(x**3), (jnp.array([1.0, 2.0]),), jnp.array([1.0, 0.0]))
         Array([6., 0.], dtype=float32)
     """
@@ -523,7 +523,7 @@ def jacobian(
 
     ``"rev"`` is ``jax.jacrev``: one VJP per output element, cheaper when outputs are fewer than
     inputs. ``"fwd"`` is ``jax.jacfwd``: one JVP per input element, cheaper in the opposite case.
-    Hooks get :class:`Cotangents` in ``"rev"`` mode and :class:`Tangents` in ``"fwd"`` mode, once
+    Hooks get ``Cotangents`` in ``"rev"`` mode and ``Tangents`` in ``"fwd"`` mode, once
     per row or column (the products are vmapped).
 
     Args:
@@ -536,7 +536,7 @@ def jacobian(
     Returns:
         A function with ``fun``'s signature returning what ``jax.jacrev`` / ``jax.jacfwd`` return.
 
-    Example:
+    Examples:
         >>> vk.jacobian(lambda x: x**2, mode="fwd")(jnp.array([1.0, 2.0]))
         Array([[2., 0.],
                [0., 4.]], dtype=float32)

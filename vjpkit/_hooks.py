@@ -1,9 +1,9 @@
-"""How a layer's hooks run: plain hooks, stateful :class:`HookTransform` s, and their checks.
+"""How a layer's hooks run: plain hooks, stateful ``HookTransform`` s, and their checks.
 
 Contract: a layer's hook list may mix plain hooks (``rec -> None | Cotangents``) and
-:class:`HookTransform` s (``init(params) -> state``, ``update(rec, state) -> (rec, state)``).
-:func:`init_state` gives the layer's state: the single transform's state, or a tuple when
-several transforms apply. :func:`run` applies the hooks in order and checks, at trace time,
+``HookTransform`` s (``init(params) -> state``, ``update(rec, state) -> (rec, state)``).
+``init_state`` gives the layer's state: the single transform's state, or a tuple when
+several transforms apply. ``run`` applies the hooks in order and checks, at trace time,
 every replacement record and every new state against what it replaces; it never casts.
 """
 
@@ -29,7 +29,7 @@ class HookTransform(NamedTuple):
         update: ``update(rec, state) -> (rec, state)``: return ``rec`` unchanged to observe, or
             ``rec.replace(grad_input=..., grad_params=...)`` to rewrite, and the next state.
 
-    Example:
+    Examples:
         >>> def init(params):
         ...     return {"count": jnp.zeros(())}
         >>> def update(rec, state):
@@ -42,12 +42,12 @@ class HookTransform(NamedTuple):
 
 
 def hook_chain(*transforms: HookTransform | Callable) -> HookTransform:
-    """Composes hooks left to right into one :class:`HookTransform`, like ``optax.chain``.
+    """Composes hooks left to right into one ``HookTransform``, like ``optax.chain``.
 
     Plain hooks may appear in the chain; they keep no state. The state is a tuple with one
     entry per element.
 
-    Example:
+    Examples:
         >>> moderate = vk.hook_chain(vk.ema_normalize(0.9), vk.clip_by_norm(1.0))
     """
     parts = tuple(t if isinstance(t, HookTransform) else _stateless(t) for t in transforms)

@@ -10,7 +10,7 @@ Contract: ``on_host(fn, every=1)`` serves two ways.
   step's captured dict in one transfer; ``every=N`` is then gated inside the graph by a
   step counter in the hook state, so skipped steps transfer nothing.
 
-An exception in ``fn`` is re-raised as :class:`HostHookError` naming the layer(s); under
+An exception in ``fn`` is re-raised as ``HostHookError`` naming the layer(s); under
 ``jit`` JAX surfaces it when the step's result is awaited.
 """
 
@@ -33,12 +33,12 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
     """A hook that runs ``fn(rec)`` on the host with numpy arrays.
 
     Args:
-        fn: called with a :class:`Cotangents` (or :class:`Tangents`) of numpy arrays, or with a
+        fn: called with a ``Cotangents`` (or ``Tangents``) of numpy arrays, or with a
             ``{call key: Cotangents}`` dict when used as ``vk.capture(..., host=...)``.
             Its return value is ignored: host functions observe, they cannot rewrite.
         every: deliver one record in ``every`` per call key (``fc1``, ``fc1#1``, ...).
 
-    Example:
+    Examples:
         >>> seen = []
         >>> g = vk.grad(loss, hooks={"fc*": vk.on_host(lambda rec: seen.append(rec.key))})
         >>> jax.jit(g)(params, x); jax.effects_barrier()

@@ -1,23 +1,23 @@
-"""The custom_jvp rule that turns one layer call into a :class:`Tangents` record.
+"""The custom_jvp rule that turns one layer call into a ``Tangents`` record.
 
-Contract: :func:`hooked_call` is what :func:`vjpkit._rule.call` runs for a hooked layer when the
+Contract: ``hooked_call`` is what ``vjpkit._rule.call`` runs for a hooked layer when the
 active scope has ``mode == "jvp"`` (inside ``vk.jvp``, ``vk.linearize`` and
 ``vk.jacobian(mode="fwd")``). It routes the call through a private ``jax.custom_jvp`` whose rule
 
 * runs ``jax.jvp`` over the leaves whose tangent is not a symbolic zero
   (``symbolic_zeros=True``), so nothing is pushed forward for inputs that carry no tangent;
   their ``tangent_input`` / ``tangent_params`` leaves are ``None`` (the whole field is ``None``
-  when no leaf has a tangent), as ``grad_input`` is ``None`` in a :class:`Cotangents`;
+  when no leaf has a tangent), as ``grad_input`` is ``None`` in a ``Cotangents``;
 * builds the record, runs the hooks in order, and returns ``tangent_output`` (possibly replaced)
   as the call's output tangent. Only ``tangent_output`` can be replaced, with exactly its
-  structure, shapes and dtypes; anything else raises :class:`HookError` at trace time.
+  structure, shapes and dtypes; anything else raises ``HookError`` at trace time.
 
 A layer call that no tangent reaches (all tangents zero) is a plain call and fires no hook.
 Keyword arguments that are arrays (a dropout key) are passed through the rule with a zero
 tangent; all other keyword arguments are static.
 
-This module also owns :func:`forward_mode_error`, which turns JAX's bare message for
-forward-mode autodiff of a hooked (custom_vjp) layer into a :class:`ConfigError`.
+This module also owns ``forward_mode_error``, which turns JAX's bare message for
+forward-mode autodiff of a hooked (custom_vjp) layer into a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def forward_mode_error(err: BaseException, transform: str, layer: str | None = N
         transform: the public name of the hooked transform (``"vk.grad"``, ``"vk.vjp"``, ...).
         layer: the key of the layer call that failed, when known.
 
-    Example:
+    Examples:
         >>> try:
         ...     out = vk.grad(loss_with_inner_jvp, hooks={"fc*": hook})(params)
         ... except Exception as err:
@@ -131,7 +131,7 @@ def hooked_call(
 ) -> Any:
     """Applies ``fn(params, *inputs, **kwargs)`` as hooked layer call ``name`` (call ``index``).
 
-    Example:
+    Examples:
         >>> out = hooked_call(dense_fn, "fc1", 0, (vk.on_host(print),), params, (x,), {})
     """
     dynamic_kw, static_kw = split_kwargs(kwargs)

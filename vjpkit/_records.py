@@ -50,13 +50,13 @@ def call_key(name: str, call: int) -> str:
 
 
 class _Record:
-    """Behaviour shared by :class:`Cotangents` and :class:`Tangents`."""
+    """Behaviour shared by ``Cotangents`` and ``Tangents``."""
 
     name: str
     call: int
 
     def replace(self, **changes: Any):
-        """Returns a copy with ``changes`` applied, like :meth:`dataclasses.replace`.
+        """Returns a copy with ``changes`` applied, like ``dataclasses.replace``.
 
         >>> rec2 = rec.replace(grad_params=jax.tree.map(lambda g: 0.5 * g, rec.grad_params))
         """
@@ -91,7 +91,7 @@ class Cotangents(_Record):
             for inputs that need no gradient, which are then not computed at all.
         grad_params: dL/d(params) for this call only, keyed like ``params``.
 
-    Example:
+    Examples:
         >>> def halve(rec):
         ...     return rec.replace(grad_params=jax.tree.map(lambda g: g / 2, rec.grad_params))
     """
@@ -108,10 +108,10 @@ class Cotangents(_Record):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Tangents(_Record):
-    """The forward-mode record of one layer call, for :func:`vjpkit.jvp` hooks.
+    """The forward-mode record of one layer call, for ``vjpkit.jvp`` hooks.
 
     Attributes:
-        name, call, params, input, output: as in :class:`Cotangents`.
+        name, call, params, input, output: as in ``Cotangents``.
         tangent_input: the tangent of ``input``.
         tangent_params: the tangent of ``params``.
         tangent_output: the tangent of ``output``, J @ (tangent_params, tangent_input).

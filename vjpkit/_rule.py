@@ -1,6 +1,6 @@
-"""The custom_vjp rule that turns one layer call into a :class:`Cotangents` record.
+"""The custom_vjp rule that turns one layer call into a ``Cotangents`` record.
 
-Contract: :func:`call` is what every layer's ``apply`` runs. Outside a vjpkit transform, or
+Contract: ``call`` is what every layer's ``apply`` runs. Outside a vjpkit transform, or
 when no hook or capture spec matches the layer, it is exactly ``fn(params, *inputs, **kwargs)``.
 Otherwise it routes the call through a private ``jax.custom_vjp`` whose
 

@@ -2,9 +2,9 @@
 
 Contract: a layer call that is captured, or whose hooks keep state, owns a *slot*: a zero
 "probe" argument whose cotangent the rule sets to ``{"captured", "state", "ran"}``. Running a
-transform with slots takes two traces: :func:`discover` traces the whole transform under
+transform with slots takes two traces: ``discover`` traces the whole transform under
 ``jax.eval_shape`` to learn every slot's shapes (no computation), then the real trace
-differentiates with respect to the probes too, and :func:`read_out` turns the probe
+differentiates with respect to the probes too, and ``read_out`` turns the probe
 gradients into ``captured`` (``{call key: Cotangents}``) and the new hook state. A slot
 whose backward never ran has ``ran == 0``: its state is returned unchanged. Each call has its
 own probe, so calls of a shared layer are never summed.
@@ -139,12 +139,13 @@ def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
     Args:
         fn: the function returned by ``vk.grad`` / ``vk.value_and_grad`` with stateful hooks.
-        *args, **kwargs: example arguments, as ``fn`` will be called.
+        *args: example arguments, as ``fn`` will be called.
+        **kwargs: example arguments, as ``fn`` will be called.
 
     Returns:
         ``{call key: state}`` (a pytree of float arrays).
 
-    Example:
+    Examples:
         >>> g = vk.value_and_grad(loss_fn, hooks={"conv*": vk.ema_normalize(0.9)})
         >>> state = vk.init_hook_state(g, params, x, y)
         >>> (loss, grads), state = jax.jit(g)(params, x, y, hook_state=state)

@@ -1,4 +1,4 @@
-"""Ready-made hook transforms, in optax's style: each returns a :class:`HookTransform`.
+"""Ready-made hook transforms, in optax's style: each returns a ``HookTransform``.
 
 Contract: stateless transforms (``scale``, ``zero``, ``clip_by_norm``) have state ``()`` and
 need no threading. Stateful ones (``ema_normalize``, ``add_noise``, ``accumulate_stats``) keep
@@ -52,7 +52,7 @@ def _stateless(fields: tuple[str, ...], fn: Callable[[Any], Any]) -> HookTransfo
 def scale(factor: float, field: str | tuple[str, ...] = "grad_params") -> HookTransform:
     """Multiplies the chosen cotangent(s) by ``factor``.
 
-    Example:
+    Examples:
         >>> hooks = {"fc1": vk.scale(0.1)}                      # a 10x smaller step for fc1
         >>> hooks = {"block1/*": vk.scale(0.0, "grad_input")}   # stop gradients below block1
     """
@@ -63,7 +63,7 @@ def scale(factor: float, field: str | tuple[str, ...] = "grad_params") -> HookTr
 def zero(field: str | tuple[str, ...] = "grad_params") -> HookTransform:
     """Replaces the chosen cotangent(s) with zeros: ``zero()`` freezes a layer's parameters.
 
-    Example:
+    Examples:
         >>> hooks = {"fc1": vk.zero()}   # fc1 is frozen; layers below still learn
     """
     fields = _fields(field, "zero")
@@ -77,7 +77,7 @@ def _global_norm(tree: Any) -> jax.Array:
 def clip_by_norm(max_norm: float, field: str | tuple[str, ...] = "grad_params") -> HookTransform:
     """Rescales a layer's cotangent so that its norm (over all its leaves) is at most ``max_norm``.
 
-    Example:
+    Examples:
         >>> hooks = {"conv*": vk.clip_by_norm(1.0), "fc*": vk.clip_by_norm(0.5, "grad_input")}
     """
     if not max_norm > 0:
@@ -92,7 +92,7 @@ def clip_by_norm(max_norm: float, field: str | tuple[str, ...] = "grad_params") 
 
 
 class EmaNormalizeState(NamedTuple):
-    """State of :func:`ema_normalize`: step count and EMAs of each gradient's mean and variance.
+    """State of ``ema_normalize``: step count and EMAs of each gradient's mean and variance.
 
     ``mean`` and ``var`` are keyed like the layer's params, one float32 scalar per leaf.
     """
@@ -112,7 +112,7 @@ def ema_normalize(decay: float = 0.9, eps: float = 1e-8, center: bool = True) ->
     This is the gradient moderation of the forum thread "What do the grad_in and grad_out of
     nn.Conv2d consist of?": new kernel gradients from the history of past ones.
 
-    Example:
+    Examples:
         >>> g = vk.value_and_grad(loss_fn, hooks={"conv*": vk.ema_normalize(0.9)})
         >>> state = vk.init_hook_state(g, params, x, y)
         >>> (loss, grads), state = jax.jit(g)(params, x, y, hook_state=state)
@@ -150,7 +150,7 @@ def ema_normalize(decay: float = 0.9, eps: float = 1e-8, center: bool = True) ->
 
 
 class AddNoiseState(NamedTuple):
-    """State of :func:`add_noise`: the step count (float32), folded into the key each step."""
+    """State of ``add_noise``: the step count (float32), folded into the key each step."""
 
     count: jax.Array
 
@@ -161,7 +161,7 @@ def add_noise(key: jax.Array, stddev: float, field: str | tuple[str, ...] = "gra
     The noise of step ``t`` is drawn from ``key`` folded with ``t``, the call index and a hash of
     the layer name, so layers and steps get independent noise; ``t`` lives in the hook state.
 
-    Example:
+    Examples:
         >>> hooks = {"fc*": vk.add_noise(jax.random.key(0), 1e-3)}
     """
     fields = _fields(field, "add_noise")
@@ -190,7 +190,7 @@ def add_noise(key: jax.Array, stddev: float, field: str | tuple[str, ...] = "gra
 
 
 class AccumulateState(NamedTuple):
-    """State of :func:`accumulate_stats`: Welford running moments of each parameter gradient.
+    """State of ``accumulate_stats``: Welford running moments of each parameter gradient.
 
     ``mean`` and ``m2`` are keyed like params, elementwise; the variance over steps is
     ``m2 / count``.
@@ -204,7 +204,7 @@ class AccumulateState(NamedTuple):
 def accumulate_stats() -> HookTransform:
     """Observes a layer's parameter gradients and keeps their running mean and variance over steps.
 
-    Example:
+    Examples:
         >>> g = vk.grad(loss_fn, hooks={"fc*": vk.accumulate_stats()})
         >>> state = vk.init_hook_state(g, params, x, y)
         >>> grads, state = g(params, x, y, hook_state=state)

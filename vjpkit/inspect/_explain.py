@@ -1,6 +1,6 @@
 """``explain``: the shape of every cotangent of one backward pass, without computing any.
 
-Contract: :func:`explain` traces ``fun(*args)`` and its backward pass **once, shape-only**
+Contract: ``explain`` traces ``fun(*args)`` and its backward pass **once, shape-only**
 (``jax.eval_shape``, through a vjpkit discovery scope that captures every layer call's whole
 record): no forward or backward computation runs on data. It differentiates the way training
 does, with respect to ``args[0]`` (or ``argnums``):
@@ -14,7 +14,7 @@ It prints one row per layer call in forward order (with each call's position in 
 order), and returns the same data as a list of dicts whose array entries are
 ``jax.ShapeDtypeStruct`` pytrees. Output uses ``rich`` when it is importable and ``file`` is a
 terminal, plain text otherwise. A function that calls no vjpkit layer raises
-:class:`~vjpkit.ConfigError` saying how to make one.
+``ConfigError`` saying how to make one.
 
 The plain-text table helpers here are shared with the other ``inspect`` modules.
 """
@@ -344,7 +344,7 @@ def explain(
     Raises:
         ConfigError: ``fun`` calls no vjpkit layer, or no arguments were given.
 
-    Example:
+    Examples:
         >>> model = nn.serial(fc1=nn.dense(20), relu1=nn.relu(), fc2=nn.dense(2))
         >>> rows = vk.explain(model.apply, params, jnp.ones((64, 3)))
         >>> rows[0]["key"], rows[0]["grad_input"], rows[-1]["grad_output"].shape

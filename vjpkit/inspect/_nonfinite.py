@@ -1,6 +1,6 @@
 """Where a NaN or Inf came from: the first layer call whose cotangent (or value) went non-finite.
 
-Contract: :func:`find_nonfinite` runs ``loss_fn(*args, **kwargs)`` and its gradient with
+Contract: ``find_nonfinite`` runs ``loss_fn(*args, **kwargs)`` and its gradient with
 respect to ``args[0]`` once, jit-compiled (``kwargs`` are closed over), with an in-graph
 capture of ``nonfinite_count`` (the number of NaN and Inf elements) of every field of every
 layer call; only those counts leave the graph. It reports
@@ -18,11 +18,11 @@ first through the layers after k (the loss's gradient at a NaN output, or a para
 ``input.T @ grad_output`` of a NaN input), so the backward origin names a later layer and the
 forward origin names k.
 
-It returns a :class:`NonFiniteReport` (also when everything is finite: then ``layer`` and
+It returns a ``NonFiniteReport`` (also when everything is finite: then ``layer`` and
 ``forward_layer`` are ``None``, ``loss_finite`` is True and the report is falsy) and prints its
 one-line ``message``. A loss that is non-finite while every layer call is finite is reported
 as made by the loss itself, after the last layer.
-:func:`first_nonfinite` is the quiet form used by ``vk.train.fit``.
+``first_nonfinite`` is the quiet form used by ``vk.train.fit``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ NO_LAYER = (
 
 @dataclasses.dataclass(frozen=True)
 class NonFiniteReport:
-    """What :func:`find_nonfinite` found. Falsy exactly when everything was finite.
+    """What ``find_nonfinite`` found. Falsy exactly when everything was finite.
 
     Attributes:
         layer: the call key (``"fc2"``, ``"fc#1"``) of the first call in backward order with a
@@ -202,17 +202,18 @@ def find_nonfinite(loss_fn: Callable, *args: Any, **kwargs: Any) -> NonFiniteRep
 
     Args:
         loss_fn: a scalar loss that calls vjpkit layers, e.g. ``loss_fn(params, batch)``.
-        *args, **kwargs: its arguments, e.g. the params and the batch of the bad step.
+        *args: its arguments, e.g. the params and the batch of the bad step.
+        **kwargs: its arguments, e.g. the params and the batch of the bad step.
 
     Returns:
-        A :class:`NonFiniteReport`. When everything is finite, its ``layer`` and
+        A ``NonFiniteReport``. When everything is finite, its ``layer`` and
         ``forward_layer`` are ``None``, its message says so, and ``bool(report)`` is False.
         The report is truthy when anything, the loss included, is non-finite.
 
     Raises:
         ConfigError: ``loss_fn`` calls no vjpkit layer.
 
-    Example:
+    Examples:
         >>> model = nn.serial(fc1=nn.dense(4), log=nn.layer(lambda p, h: jnp.log(h), name="log"),
         ...                   fc2=nn.dense(2))
         >>> report = vk.inspect.find_nonfinite(loss_fn, params, (x, y))  # cross-entropy of model
@@ -231,8 +232,8 @@ def find_nonfinite(loss_fn: Callable, *args: Any, **kwargs: Any) -> NonFiniteRep
 def first_nonfinite(loss_fn: Callable, params: Any, batch: Any, **kwargs: Any) -> tuple[str, str] | None:
     """``(call key, field)`` of the first non-finite cotangent in backward order, or ``None``.
 
-    The quiet form of :func:`find_nonfinite` for ``loss_fn(params, batch, **kwargs)``, used by
-    ``vk.train.fit`` to name the layer in :class:`~vjpkit.NonFiniteError`. ``None`` also when
+    The quiet form of ``find_nonfinite`` for ``loss_fn(params, batch, **kwargs)``, used by
+    ``vk.train.fit`` to name the layer in ``NonFiniteError``. ``None`` also when
     the loss calls no vjpkit layer.
     """
     counted = _counts(loss_fn, (params, batch), kwargs)

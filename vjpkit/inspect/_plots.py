@@ -2,7 +2,7 @@
 
 Contract: every function takes plain host data (numpy arrays, or records as ``vk.capture`` and
 ``fit(..., on_records=...)`` deliver them), returns a ``matplotlib.figure.Figure``, and with
-``path=`` also saves it as a PNG (``dpi=120``) through :func:`save`. matplotlib is imported
+``path=`` also saves it as a PNG (``dpi=120``) through ``save``. matplotlib is imported
 lazily, inside the functions, so ``import vjpkit`` never needs it; when it is missing the
 functions raise an ``ImportError`` that names the ``plot`` extra (``pip install "vjpkit[plot]"``).
 
@@ -12,7 +12,7 @@ nothing accumulates in a training loop). When the caller has already imported py
 made with ``pyplot.figure`` instead, so that ``plt.show()`` and notebooks show them.
 
 Bad input (an empty history, a field that was not captured, records that hold the wrong
-reduction) raises :class:`vjpkit.ConfigError` saying what was expected and what to pass.
+reduction) raises ``vjpkit.ConfigError`` saying what was expected and what to pass.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def save(fig: Any, path: str | pathlib.Path, *, dpi: int = DPI, palette: bool = 
     """Saves ``fig`` at ``path`` (parent directories are created); returns the path.
 
     Args:
-        fig: a matplotlib figure, e.g. from :func:`plot_gradient_flow`.
+        fig: a matplotlib figure, e.g. from ``plot_gradient_flow``.
         path: where to write; the format follows the suffix (no suffix: PNG).
         dpi: resolution; 120 gives figures of roughly 1000 to 1600 pixels across.
         palette: for PNG, store an adaptive 256-color palette (through Pillow, which
@@ -83,7 +83,7 @@ def save(fig: Any, path: str | pathlib.Path, *, dpi: int = DPI, palette: bool = 
     Returns:
         The path written, as a ``pathlib.Path``.
 
-    Example:
+    Examples:
         >>> fig = plot_gradient_flow(history)
         >>> save(fig, "out/gradient_flow.png")
         PosixPath('out/gradient_flow.png')
@@ -271,7 +271,7 @@ def gradient_flow_series(
     history: Any, field: str = "grad_params"
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per-layer norm series ``{key: (steps, norms)}`` from captured records, as plotted by
-    :func:`plot_gradient_flow`.
+    ``plot_gradient_flow``.
 
     Args:
         history: a list of per-step captured dicts ``{key: vk.Cotangents}`` (or of
@@ -289,7 +289,7 @@ def gradient_flow_series(
         parameter gradients as one vector. Layers whose field has no leaves (the
         ``grad_params`` of ``relu``) are left out.
 
-    Example:
+    Examples:
         >>> series = gradient_flow_series(records, "grad_params")
         >>> steps, norms = series["fc2"]
     """
@@ -404,7 +404,7 @@ def plot_gradient_flow(
         ConfigError: an empty history, a field that no record holds, records that are not
             ``vk.Cotangents``, or a single step's captured dict instead of a list of steps.
 
-    Example:
+    Examples:
         >>> history = []
         >>> spec = vk.capture("*", fields=["grad_params"], reduce="norm")
         >>> state, _ = vk.train.fit(loss_fn, optax.sgd(0.1), params, (x, y), batch_size=32, steps=100,
@@ -583,7 +583,7 @@ def plot_histograms(
         ConfigError: an empty dict, fields that no record holds, reduced records (norms) where
             arrays or counts are needed, or counts without ``bins_range``.
 
-    Example:
+    Examples:
         >>> spec = vk.capture("*", fields=["grad_output", "grad_params"])
         >>> grads, captured = vk.grad(loss_fn, capture=spec)(params, x, y)
         >>> fig = plot_histograms(captured, path="histograms.png")
@@ -812,7 +812,7 @@ def plot_backward_shapes(
     Raises:
         ConfigError: no rows, a row without a name or ``grad_output``, or reduced records.
 
-    Example:
+    Examples:
         >>> rows = [
         ...     dict(name="fc2", grad_output="float32[64,2]", grad_input="float32[64,20]",
         ...          grad_params={"weight": "float32[20,2]", "bias": "float32[2]"}),

@@ -1,6 +1,6 @@
 """``Recorder``: captured statistics accumulated over training steps, in bounded memory.
 
-Contract: a :class:`Recorder` takes one step's captured dict at a time (``{call key:
+Contract: a ``Recorder`` takes one step's captured dict at a time (``{call key:
 Cotangents}`` as returned by ``capture=``, with numpy or jax arrays) and splits it into
 *series*, one per ``(call key, field, tree path, reduction)``:
 
@@ -143,7 +143,7 @@ class Recorder:
             ``.call`` (``fc.call1/grad_params/weight/norm``). Needs ``tensorboardX``:
             ``pip install "vjpkit[log]"``.
 
-    Example:
+    Examples:
         >>> spec = vk.capture("*", fields=["grad_output", "grad_params"], reduce=["norm", "max"])
         >>> recorder = vk.inspect.Recorder(last=100)
         >>> state, history = vk.train.fit(loss_fn, opt, params, data, batch_size=64, steps=500,
@@ -225,7 +225,7 @@ class Recorder:
         """Adds one delivery, numbering steps 0, 1, 2, ... itself.
 
         For ``vk.capture(..., host=vk.on_host(recorder.update_host))``. With ``every=N`` use
-        :meth:`host` instead, which numbers the deliveries 0, N, 2N, ...
+        ``host`` instead, which numbers the deliveries 0, N, 2N, ...
         """
         with self._lock:
             step = self._host_step
@@ -286,7 +286,7 @@ class Recorder:
             ``steps`` (int64, shape ``(n,)``) and ``values`` (float64, shape ``(n,)``, or
             ``(n, bins)`` for a vector series).
 
-        Example:
+        Examples:
             >>> steps, norms = recorder.series("fc1", "grad_params", "weight", "norm")
         """
         stats = self._stats[self._find(key, field, path, reduction)]
@@ -305,7 +305,7 @@ class Recorder:
             ``np.var``), ``nonfinite`` the NaN/Inf values left out. The moments are ``None`` for
             a vector series or when nothing finite arrived.
 
-        Example:
+        Examples:
             >>> recorder.stats("fc1", "grad_params", "weight", "norm")["mean"]
         """
         return self._stats[self._find(key, field, path, reduction)].moments()
@@ -316,7 +316,7 @@ class Recorder:
         """Everything, JSON-ready: ``{"last", "steps_seen", "first_step", "last_step", "series": [...]}``.
 
         Each series entry has ``key``, ``field``, ``path``, ``reduction``, the moments of
-        :meth:`stats`, and ``steps`` / ``values`` from the ring buffer (lists; a vector value
+        ``stats``, and ``steps`` / ``values`` from the ring buffer (lists; a vector value
         is a list).
         """
         with self._lock:

@@ -1,6 +1,6 @@
 """Combinators: ``serial`` (named composition) and ``residual``.
 
-Contract: combinators return :class:`Layer` and are transparent to hooks: they name their
+Contract: combinators return ``Layer`` and are transparent to hooks: they name their
 children (``serial`` pushes each child's name, joined with ``/``) but make no record of their
 own. To hook a whole block, wrap it with ``nn.layer(block.apply, block.init, name=...)``.
 """
@@ -56,7 +56,7 @@ def serial(*layers: Any, **named_layers: Layer) -> Layer:
     each name to that child's params; parameter-less children have no entry. ``apply`` passes
     its keyword arguments to every child, splitting ``key=`` into one subkey per child.
 
-    Example:
+    Examples:
         >>> model = nn.serial(fc1=nn.dense(20), relu1=nn.relu(), fc2=nn.dense(2))
         >>> params = model.init(jax.random.key(0), jnp.ones((8, 3)))
         >>> sorted(params)
@@ -98,7 +98,7 @@ def serial(*layers: Any, **named_layers: Layer) -> Layer:
 def residual(inner: Layer) -> Layer:
     """``x + inner(x)``, with ``inner``'s params and names unchanged.
 
-    Example:
+    Examples:
         >>> block = nn.residual(nn.serial(fc=nn.dense(8), act=nn.relu()))
     """
     if not isinstance(inner, Layer):

@@ -1,6 +1,6 @@
 """Parameter-less layers: activations, ``flatten``, ``dropout``, ``max_pool``, ``avg_pool``.
 
-Contract: each returns a hookable :class:`~vjpkit.nn.Layer` with empty params. Pools are NHWC
+Contract: each returns a hookable ``Layer`` with empty params. Pools are NHWC
 and use ``lax.reduce_window``; ``avg_pool`` divides by the window size (padding counts as 0).
 ``dropout`` takes its randomness explicitly: ``apply(params, x, key=k)``, or
 ``deterministic=True`` for the identity.
@@ -37,7 +37,7 @@ sigmoid = _activation(jax.nn.sigmoid, "sigmoid", "Elementwise ``1 / (1 + exp(-x)
 def gelu(approximate: bool = False, *, name: str | None = None) -> Layer:
     """GELU; exact (erf) by default like ``torch.nn.GELU``, tanh form with ``approximate=True``.
 
-    Example:
+    Examples:
         >>> nn.serial(fc=nn.dense(4), act=nn.gelu())
     """
 
@@ -51,7 +51,7 @@ def gelu(approximate: bool = False, *, name: str | None = None) -> Layer:
 def flatten(*, name: str | None = None) -> Layer:
     """Reshapes ``(batch, ...)`` to ``(batch, -1)``.
 
-    Example:
+    Examples:
         >>> nn.flatten().apply({}, jnp.ones((2, 3, 4))).shape
         (2, 12)
     """
@@ -68,7 +68,7 @@ def dropout(rate: float, *, name: str | None = None) -> Layer:
 
     ``apply(params, x, key=k)`` draws the mask from ``k``; ``deterministic=True`` is the identity.
 
-    Example:
+    Examples:
         >>> drop = nn.dropout(0.5)
         >>> drop.apply({}, jnp.ones(4), key=jax.random.key(0)).shape
         (4,)
@@ -118,7 +118,7 @@ def _pool(reducer, init_value, window, stride, padding, average: bool, default_n
 def max_pool(window=2, stride=None, padding="VALID", *, name: str | None = None) -> Layer:
     """Max over ``window`` patches of NHWC input (stride defaults to the window).
 
-    Example:
+    Examples:
         >>> nn.max_pool(2).apply({}, jnp.ones((1, 4, 4, 3))).shape
         (1, 2, 2, 3)
     """
@@ -128,7 +128,7 @@ def max_pool(window=2, stride=None, padding="VALID", *, name: str | None = None)
 def avg_pool(window=2, stride=None, padding="VALID", *, name: str | None = None) -> Layer:
     """Mean over ``window`` patches of NHWC input (stride defaults to the window).
 
-    Example:
+    Examples:
         >>> nn.avg_pool(2).apply({}, jnp.ones((1, 4, 4, 3))).shape
         (1, 2, 2, 3)
     """

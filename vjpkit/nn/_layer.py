@@ -2,8 +2,8 @@
 
 Contract: ``init(key, *example_inputs) -> params`` and ``apply(params, *inputs, **kwargs) ->
 output``. ``init`` may receive ``jax.ShapeDtypeStruct`` example inputs (from ``serial``), so it
-reads only ``.shape`` and ``.dtype``. Every layer made by :func:`layer` is hookable: its
-``apply`` runs through :func:`vjpkit._rule.call`, which is a plain call outside vjpkit
+reads only ``.shape`` and ``.dtype``. Every layer made by ``layer`` is hookable: its
+``apply`` runs through ``vjpkit._rule.call``, which is a plain call outside vjpkit
 transforms. Keyword arguments a layer's function does not declare are ignored, so that a
 combinator can pass ``key=`` or ``deterministic=`` to all of its children.
 """
@@ -25,7 +25,7 @@ class Layer(NamedTuple):
         init: ``init(key, *example_inputs) -> params``.
         apply: ``apply(params, *inputs, **kwargs) -> output``.
 
-    Example:
+    Examples:
         >>> fc = nn.dense(4)
         >>> params = fc.init(jax.random.key(0), jnp.ones((2, 3)))
         >>> fc.apply(params, jnp.ones((2, 3))).shape
@@ -61,7 +61,7 @@ def layer(fn: Callable, init: Callable | None = None, *, name: str | None = None
         init: ``init(key, *example_inputs) -> params``; defaults to no parameters (``{}``).
         name: the layer's name when no combinator names it (defaults to ``fn.__name__``).
 
-    Example:
+    Examples:
         >>> scale = nn.layer(lambda p, x: p["s"] * x, lambda key, x: {"s": jnp.ones(())}, name="scale")
         >>> vk.grad(lambda p, x: scale.apply(p, x).sum(), hooks={"scale": vk.on_host(print)})
     """

@@ -1,6 +1,6 @@
 """Layers with parameters: ``dense``, ``conv2d``, ``embedding``, ``layer_norm``.
 
-Contract: each returns an :class:`~vjpkit.nn.Layer` built with :func:`~vjpkit.nn.layer`, so
+Contract: each returns an ``Layer`` built with ``layer``, so
 every call is hookable. Parameter names and layouts are fixed by DESIGN.md: ``dense`` has
 ``weight (in, out)`` and ``bias (out,)`` with ``y = x @ weight + bias``; ``conv2d`` is NHWC
 with ``weight (kh, kw, in, out)``. Parameters take ``dtype``, else the input's float dtype.
@@ -35,7 +35,7 @@ def dense(features: int, use_bias: bool = True, *, dtype=None, name: str | None 
         dtype: parameter dtype; default: the input's float dtype.
         name: the name when no combinator names it.
 
-    Example:
+    Examples:
         >>> p = nn.dense(4).init(jax.random.key(0), jnp.ones((2, 3)))
         >>> jax.tree.map(jnp.shape, p)
         {'bias': (4,), 'weight': (3, 4)}
@@ -81,7 +81,7 @@ def conv2d(
         dtype: parameter dtype; default: the input's float dtype.
         name: the name when no combinator names it.
 
-    Example:
+    Examples:
         >>> conv = nn.conv2d(32, 3)
         >>> p = conv.init(jax.random.key(0), jnp.ones((64, 16, 16, 16)))
         >>> p["weight"].shape
@@ -113,7 +113,7 @@ def embedding(num_embeddings: int, features: int, *, dtype=jnp.float32, name: st
 
     Integer ids need no gradient, so a hook sees ``grad_input=None``.
 
-    Example:
+    Examples:
         >>> emb = nn.embedding(10, 4)
         >>> emb.apply(emb.init(jax.random.key(0)), jnp.array([1, 2])).shape
         (2, 4)
@@ -134,7 +134,7 @@ def layer_norm(
 ) -> Layer:
     """Normalises the last axis to zero mean and unit variance, then ``* scale + bias``.
 
-    Example:
+    Examples:
         >>> ln = nn.layer_norm()
         >>> jax.tree.map(jnp.shape, ln.init(jax.random.key(0), jnp.ones((2, 5))))
         {'bias': (5,), 'scale': (5,)}

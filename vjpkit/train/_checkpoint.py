@@ -1,17 +1,17 @@
 """Atomic, synchronous checkpoints of a training state pytree, with orbax-checkpoint.
 
-Contract: :class:`Checkpointer` keeps numbered checkpoints in one directory. ``save(step,
+Contract: ``Checkpointer`` keeps numbered checkpoints in one directory. ``save(step,
 state, meta)`` writes the array leaves of ``state`` and a small JSON ``meta`` dict, and
 returns only once the checkpoint is complete on disk. A save is atomic: orbax writes into a
 temporary directory and renames it on commit, so a process killed mid-save leaves the
 previous complete checkpoint as ``latest_step()``; a leftover temporary directory is ignored
-and removed when the next :class:`Checkpointer` opens the directory. ``restore(target)``
+and removed when the next ``Checkpointer`` opens the directory. ``restore(target)``
 returns the saved values bit for bit, in the pytree structure and types of ``target``
 (NamedTuples, optax states, dicts), on the devices of ``target``'s arrays (the default
 device for numpy leaves and unsharded ``jax.ShapeDtypeStruct`` leaves).
 
 Each checkpoint also records every leaf's tree path, shape and dtype. ``restore`` compares
-them with ``target`` before reading any array, and raises :class:`~vjpkit._errors.ConfigError`
+them with ``target`` before reading any array, and raises ``ConfigError``
 naming the first path that differs. Arrays are stored as one flat item keyed by leaf index,
 so any pytree that ``jax.tree_util`` can flatten is saved, whatever its node types or its
 dict keys. Typed PRNG key arrays (``jax.random.key``) are stored as their key data and
@@ -193,7 +193,7 @@ class Checkpointer:
                 shardings are used. Restored jax leaves take the sharding of ``target``'s leaf
                 (the default device for numpy leaves and unsharded structs); numpy leaves
                 come back as numpy.
-            step: which checkpoint; ``None`` means :meth:`latest_step`.
+            step: which checkpoint; ``None`` means ``latest_step``.
 
         Returns:
             ``(state, meta)``: the saved values, bit-identical, in ``target``'s pytree

@@ -1,9 +1,9 @@
 """Batches for ``fit``: from arrays (shuffled per epoch, resumable by step) or any iterable.
 
-Contract: :class:`ArrayBatches` draws batch ``t`` of a run from the step count alone: epoch
+Contract: ``ArrayBatches`` draws batch ``t`` of a run from the step count alone: epoch
 ``t // batches_per_epoch`` is a permutation seeded by ``(seed, epoch)``, so a resumed run sees
 exactly the batches the uninterrupted run would have. An incomplete last batch of an epoch is
-dropped. :class:`IterableBatches` wraps any iterable; resuming skips the batches already
+dropped. ``IterableBatches`` wraps any iterable; resuming skips the batches already
 consumed, and a batch whose size differs from the first one's (an uneven last batch) is
 skipped with a warning. Both check, before anything is compiled, that every leaf of a batch has the same
 leading size, and that the batch size fits the data.
@@ -50,7 +50,7 @@ def check_batch(batch: Any) -> int:
 class ArrayBatches:
     """Shuffled, resumable batches from a pytree of arrays with a common leading axis.
 
-    Example:
+    Examples:
         >>> batches = ArrayBatches((x, y), batch_size=64, seed=0)
         >>> xb, yb = batches.batch(0)          # the first batch of the run
     """

@@ -1,7 +1,7 @@
 """``fit``: the jit-compiled training loop, with hooks, capture, hook state, checkpoints and a mesh.
 
 Contract: ``fit`` validates everything (optimizer, data, batch, mesh, loss, checkpoint tree)
-before anything is compiled, then runs ``steps`` steps of :func:`~vjpkit.train.make_step`, ``scan_steps``
+before anything is compiled, then runs ``steps`` steps of ``make_step``, ``scan_steps``
 per dispatch (``lax.scan``). Metrics stay on the device and are fetched every ``log_every``
 steps, so dispatch runs ahead of the host. The run is a pure function of ``(params, data,
 seed)``: batch ``t`` depends only on ``t`` and the seed, and so a run resumed from a checkpoint
@@ -88,16 +88,16 @@ def fit(
             sharded over it and the state is replicated.
         seed: seeds the shuffling and ``state.rng``.
         progress: show a tqdm bar (default: when stderr is a terminal).
-        nan_policy: ``"stop"`` raises :class:`vjpkit.NonFiniteError` naming the step and the
+        nan_policy: ``"stop"`` raises ``vjpkit.NonFiniteError`` naming the step and the
             first layer with a non-finite cotangent; ``"continue"`` warns and goes on;
             ``"off"`` does not check.
         log_every: steps between fetches of the metrics (and progress updates).
 
     Returns:
-        The final :class:`TrainState` and ``history = {"step": [...], "loss": [...],
+        The final ``TrainState`` and ``history = {"step": [...], "loss": [...],
         "eval": [{"step": s, ...}], "nonfinite": [steps]}``.
 
-    Example:
+    Examples:
         >>> state, history = vk.train.fit(loss_fn, optax.adam(1e-3), params, (x, y), batch_size=64, epochs=3)
     """
     check_optimizer(optimizer)

@@ -1,16 +1,16 @@
 """Data parallelism: a 1-D device mesh, the batch split over its data axis, parameters replicated.
 
 Contract:
-- :func:`data_mesh` builds a 1-D ``jax.sharding.Mesh`` over ``jax.devices()`` (or the devices
+- ``data_mesh`` builds a 1-D ``jax.sharding.Mesh`` over ``jax.devices()`` (or the devices
   given), with one axis named ``axis`` (``"data"``) of type ``Auto``, so ``jax.jit`` propagates
   shardings as usual. Under ``jax.distributed.initialize`` ``jax.devices()`` lists every
   process's devices, so the same call spans all hosts. No backend is named anywhere here.
-- :func:`check_mesh` raises :class:`~vjpkit.ConfigError` before any transfer or compile when the
+- ``check_mesh`` raises ``ConfigError`` before any transfer or compile when the
   mesh has no such axis or its size does not divide the batch size.
-- :func:`batch_sharding` splits the batch dimension over ``axis`` (``batch_dim=0``, the leading
-  one; ``1`` for a stack of batches fed to ``lax.scan``); :func:`replicated` keeps a full copy
+- ``batch_sharding`` splits the batch dimension over ``axis`` (``batch_dim=0``, the leading
+  one; ``1`` for a stack of batches fed to ``lax.scan``); ``replicated`` keeps a full copy
   on every device of the mesh.
-- :func:`shard_batch` and :func:`replicate` ``jax.device_put`` every leaf of a pytree with those
+- ``shard_batch`` and ``replicate`` ``jax.device_put`` every leaf of a pytree with those
   shardings (``shard_batch`` checks each leaf's batch dimension first). A leaf that already
   has the target sharding is returned as is.
 
@@ -59,7 +59,7 @@ def data_mesh(devices: Sequence[Any] | None = None, axis: str = "data") -> Mesh:
     Raises:
         ConfigError: if ``devices`` is empty or ``axis`` is not a non-empty string.
 
-    Example:
+    Examples:
         >>> mesh = data_mesh()
         >>> mesh.axis_names, mesh.shape["data"] == jax.device_count()
         (('data',), True)
@@ -72,7 +72,7 @@ def data_mesh(devices: Sequence[Any] | None = None, axis: str = "data") -> Mesh:
 
 
 def check_mesh(mesh: Mesh | AbstractMesh, batch_size: int, axis: str = "data") -> None:
-    """Raises :class:`~vjpkit.ConfigError` unless ``mesh``'s ``axis`` divides ``batch_size``.
+    """Raises ``ConfigError`` unless ``mesh``'s ``axis`` divides ``batch_size``.
 
     Args:
         mesh: the device mesh (a ``jax.sharding.AbstractMesh`` of the same shape works too).
@@ -84,7 +84,7 @@ def check_mesh(mesh: Mesh | AbstractMesh, batch_size: int, axis: str = "data") -
             axis does not divide ``batch_size``. The message names both numbers and the nearest
             batch sizes that would work.
 
-    Example:
+    Examples:
         >>> check_mesh(data_mesh(), batch_size=8 * jax.device_count())
     """
     _check_is_mesh(mesh, "check_mesh", (Mesh, AbstractMesh))
@@ -115,7 +115,7 @@ def batch_sharding(mesh: Mesh, axis: str = "data", batch_dim: int = 0) -> NamedS
     Other dimensions are not split. Each device holds ``batch_size // mesh.shape[axis]`` rows.
     Use ``batch_dim=1`` for a stack of batches ``(steps, batch, ...)`` fed to a ``lax.scan``.
 
-    Example:
+    Examples:
         >>> batch_sharding(data_mesh()).spec
         P('data',)
         >>> batch_sharding(data_mesh(), batch_dim=1).spec
@@ -135,7 +135,7 @@ def batch_sharding(mesh: Mesh, axis: str = "data", batch_dim: int = 0) -> NamedS
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding that keeps a full copy of an array on every device of ``mesh``.
 
-    Example:
+    Examples:
         >>> replicated(data_mesh()).is_fully_replicated
         True
     """
@@ -158,22 +158,22 @@ def _batch_dim_size(path: Any, leaf: Any, batch_dim: int) -> int:
 def shard_batch(batch: Any, mesh: Mesh, axis: str = "data", batch_dim: int = 0) -> Any:
     """Puts every leaf of ``batch`` on ``mesh``, split along its batch dimension over ``axis``.
 
-    Each leaf is checked with :func:`check_mesh` first, so a batch the mesh cannot split evenly
+    Each leaf is checked with ``check_mesh`` first, so a batch the mesh cannot split evenly
     raises before any transfer. The batch is the global one: in a multi-process run every
     process must pass the same values here; to feed each process its own part of the batch,
     use ``jax.make_array_from_process_local_data(batch_sharding(mesh), local_part)``.
 
     Args:
         batch: a pytree of arrays (numpy or JAX) with a common batch dimension.
-        mesh: the device mesh, e.g. from :func:`data_mesh`.
+        mesh: the device mesh, e.g. from ``data_mesh``.
         axis: the mesh axis to split the batch over.
         batch_dim: the batch dimension of every leaf: 0, or 1 for a stack of batches
             ``(steps, batch, ...)`` fed to a ``lax.scan``.
 
     Returns:
-        The same pytree of ``jax.Array`` s, each sharded with :func:`batch_sharding`.
+        The same pytree of ``jax.Array`` s, each sharded with ``batch_sharding``.
 
-    Example:
+    Examples:
         >>> x = shard_batch(np.zeros((8 * jax.device_count(), 3), np.float32), data_mesh())
         >>> len(x.sharding.device_set) == jax.device_count()
         True
@@ -190,7 +190,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     In a multi-process run every process must pass the same values (for example parameters
     initialised from the same key).
 
-    Example:
+    Examples:
         >>> params = replicate({"w": np.ones((3, 2), np.float32)}, data_mesh())
         >>> params["w"].sharding.is_fully_replicated
         True

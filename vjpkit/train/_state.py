@@ -1,6 +1,6 @@
 """The training state: everything a step reads and writes, as one pytree.
 
-Contract: :class:`TrainState` holds only arrays (and optax/vjpkit NamedTuples and dicts of
+Contract: ``TrainState`` holds only arrays (and optax/vjpkit NamedTuples and dicts of
 arrays), so it can be jitted, donated, sharded and checkpointed whole. ``rng`` is a raw
 ``uint32[2]`` key (``jax.random.PRNGKey``) so checkpoints store it as plain data.
 ``nonfinite_step`` is ``-1`` until a step's loss is NaN or Inf; with ``nan_policy="stop"`` the
@@ -27,7 +27,7 @@ class TrainState(NamedTuple):
             ``key=`` when the loss accepts one.
         nonfinite_step: the first step whose loss was not finite, or -1 (int32 scalar).
 
-    Example:
+    Examples:
         >>> state = vk.train.TrainState.create(params, optax.sgd(0.1), seed=0)
         >>> int(state.step)
         0

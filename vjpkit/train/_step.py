@@ -1,6 +1,6 @@
 """One jitted training step: vjpkit gradients (hooks, capture, hook state) and an optax update.
 
-Contract: :func:`make_step` returns ``step(state, batch) -> (state, metrics)``, a plain
+Contract: ``make_step`` returns ``step(state, batch) -> (state, metrics)``, a plain
 ``jax.jit`` function with the state donated. ``metrics`` has ``"loss"`` and, with ``capture``,
 ``"captured"``. The loss is ``loss_fn(params, batch)``, or ``loss_fn(params, batch, key=k)``
 when it declares ``key``; ``k`` is split from ``state.rng`` each step. Hook state is threaded
@@ -61,15 +61,15 @@ def make_step(
     Args:
         loss_fn: ``loss_fn(params, batch[, key=k]) -> scalar``.
         optimizer: an optax ``GradientTransformation``.
-        hooks: layer hooks, as in :func:`vjpkit.grad`; stateful ones use ``state.hook_state``.
-        capture: capture spec(s), as in :func:`vjpkit.grad`; records go to ``metrics["captured"]``.
+        hooks: layer hooks, as in ``vjpkit.grad``; stateful ones use ``state.hook_state``.
+        capture: capture spec(s), as in ``vjpkit.grad``; records go to ``metrics["captured"]``.
         nan_policy: ``"stop"``: a step whose loss is not finite, and every later one, leaves the
             state unchanged (``state.nonfinite_step`` records it); ``"continue"``: it is recorded
             and training goes on; ``"off"``: nothing is checked.
         jit: return the ``jax.jit``-compiled step (state donated); ``False`` gives the traceable
             function, for ``lax.scan`` or a custom jit.
 
-    Example:
+    Examples:
         >>> step = vk.train.make_step(loss_fn, optax.sgd(0.1))
         >>> state, metrics = step(vk.train.TrainState.create(params, optax.sgd(0.1)), (x, y))
     """
@@ -120,7 +120,7 @@ def make_step(
 
 
 def init_hook_state(loss_fn: Callable, hooks: Any, capture: Any, params: Any, batch: Any) -> dict:
-    """The initial ``hook_state`` for :func:`make_step`'s hooks (``{}`` when none keeps state)."""
+    """The initial ``hook_state`` for ``make_step``'s hooks (``{}`` when none keeps state)."""
     from .._slots import init_hook_state as _init
 
     if hooks is None and capture is None:
