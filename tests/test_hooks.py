@@ -229,3 +229,19 @@ def test_grad_input_none_for_data_but_computed_when_asked():
     assert rec.grad_params is None  # params were not differentiated
     tree_allclose(rec.grad_input, np.asarray(gx))
     tree_allclose(gx, jax.grad(mlp_loss, argnums=1)(params, x, y))
+
+
+def test_inner_jit_traces_are_not_shared_between_hooked_and_plain_gradients():
+    """An inner jax.jit traced under hooks is not replayed for a plain jax.grad (or another scope)."""
+    fc = vk.nn.dense(2)
+    params = fc.init(jax.random.key(0), jnp.ones((1, 3)))
+    inner = jax.jit(lambda p, x: fc.apply(p, x))
+    loss = lambda p, x: (inner(p, x) ** 2).sum()
+    double = lambda rec: rec.replace(grad_params=jax.tree.map(lambda g: 2 * g, rec.grad_params))
+    x = jnp.arange(12.0).reshape(4, 3)
+    reference = jax.grad(lambda p, x: (fc.apply(p, x) ** 2).sum())(params, x)
+    hooked = vk.grad(loss, hooks={"dense": double})(params, x)
+    tree_allclose(hooked, jax.tree.map(lambda g: 2 * g, reference))
+    tree_allclose(jax.grad(loss)(params, x), reference)  # not the doubled, cached trace
+    halve = lambda rec: rec.replace(grad_params=jax.tree.map(lambda g: g / 2, rec.grad_params))
+    tree_allclose(vk.grad(loss, hooks={"dense": halve})(params, x), jax.tree.map(lambda g: g / 2, reference))

@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+import jax
 
 from ._errors import ConfigError
 from ._records import call_key
@@ -109,13 +112,21 @@ def current() -> Scope | None:
     return scopes[-1] if scopes else None
 
 
+# JAX caches the traces of inner ``jax.jit``/``jax.checkpoint``/``lax.cond`` functions by function
+# and argument types. Hooks are decided at trace time, so each scope gets its own token in JAX's
+# trace-cache key: a trace made under one scope is never replayed under another, or without one.
+_cache_token = jax.make_user_context(default_value=None)
+_scope_ids = itertools.count(1)
+
+
 @contextlib.contextmanager
 def activate(scope: Scope | None) -> Iterator[Scope | None]:
     """Makes ``scope`` current for the duration (``None`` suspends every scope)."""
     scopes = _stack("scopes")
     scopes.append(scope)
     try:
-        yield scope
+        with _cache_token(None if scope is None else next(_scope_ids)):
+            yield scope
     finally:
         scopes.pop()
 
