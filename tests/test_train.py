@@ -281,3 +281,36 @@ def test_uneven_batches_of_an_iterable_are_skipped_with_a_warning():
     with pytest.warns(RuntimeWarning, match="skipped a batch of 3"):
         state, history = vk.train.fit(loss_fn, OPT, params, batches)
     assert int(state.step) == 10 and len(history["loss"]) == 10
+
+
+def test_make_step_by_hand_with_stateful_hooks_keeps_callers_arrays():
+    x, y = make_data()
+    params = init_params(x)
+    hooks = {"fc*": vk.ema_normalize(0.9)}
+    g = vk.value_and_grad(loss_fn, hooks=hooks)
+    state = vk.train.TrainState.create(params, OPT, hook_state=vk.init_hook_state(g, params, (x, y)))
+    step = vk.train.make_step(loss_fn, OPT, hooks=hooks)
+    for i in range(3):
+        state, _ = step(state, (x[i * 10 : i * 10 + 10], y[i * 10 : i * 10 + 10]))
+    assert float(state.hook_state["fc1"].count) == 3.0
+    assert np.isfinite(np.asarray(params["fc1"]["weight"])).all()  # not donated away
+
+
+def test_nan_stop_freezes_step_and_rng_and_checks_gradients():
+    x, y = make_data()
+    # finite loss, non-finite gradient: sqrt at 0 has an infinite derivative
+    sqrt_model = nn.serial(
+        fc1=nn.dense(4), root=nn.layer(lambda p, h: jnp.sqrt(h * 0.0), name="root"), fc2=nn.dense(2)
+    )
+    params = sqrt_model.init(jax.random.key(1), x[:2])
+
+    def loss(p, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(sqrt_model.apply(p, batch[0]), batch[1]).mean()
+
+    assert np.isfinite(float(loss(params, (x[:10], y[:10]))))
+    with pytest.raises(vk.NonFiniteError) as err:
+        vk.train.fit(loss, OPT, params, (x, y), batch_size=10, steps=6, log_every=3)
+    e = err.value
+    assert e.step == 0 and int(e.state.step) == 0  # step count and rng did not run ahead
+    tree_allclose(e.state.rng, jax.random.PRNGKey(0), rtol=0, atol=0)
+    assert e.layer == "root" and e.field == "grad_input"

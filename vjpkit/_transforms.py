@@ -122,8 +122,10 @@ def ema_normalize(decay: float = 0.9, eps: float = 1e-8, center: bool = True) ->
         raise ConfigError(f"vk.ema_normalize: decay must be in [0, 1), got {decay!r}.")
 
     def init(params):
-        zeros = jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params)
-        return EmaNormalizeState(jnp.zeros((), jnp.float32), zeros, zeros)
+        def zeros():
+            return jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params)
+
+        return EmaNormalizeState(jnp.zeros((), jnp.float32), zeros(), zeros())
 
     def update(rec, state):
         if rec.grad_params is None:
@@ -212,8 +214,10 @@ def accumulate_stats() -> HookTransform:
     """
 
     def init(params):
-        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-        return AccumulateState(jnp.zeros((), jnp.float32), zeros, zeros)
+        def zeros():
+            return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+
+        return AccumulateState(jnp.zeros((), jnp.float32), zeros(), zeros())
 
     def update(rec, state):
         if rec.grad_params is None:

@@ -96,13 +96,14 @@ class IterableBatches:
 
     def iterate(self, start: int) -> Iterator[Any]:
         """Batches from step ``start`` on; a batch whose size differs from the first is skipped."""
-        it = iter(self.data)
-        for _ in range(start):
-            next(it)
         size = None
-        for batch in it:
+        step = 0
+        for batch in self.data:
             n = check_batch(batch)
             size = n if size is None else size
+            if n == size and step < start:  # already consumed by the run being resumed
+                step += 1
+                continue
             if n != size:
                 warnings.warn(
                     f"fit skipped a batch of {n} examples (the batches have {size}): an uneven batch "

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -149,7 +148,6 @@ def fit(
         if checkpointer.latest_step() is not None:
             state, _ = checkpointer.restore(state)
     start = int(state.step)
-    state = jax.tree.map(lambda a: jnp.array(a, copy=True), state)  # steps donate it; keep the caller's
     if mesh is not None:
         state = replicate(state, mesh)
         put = lambda b, dim=0: shard_batch(b, mesh, batch_dim=dim)
@@ -208,7 +206,7 @@ def fit(
             if layer
             else ""
         )
-        message = f"the loss at step {bad} is not finite (NaN or Inf){named}."
+        message = f"the loss or the gradients at step {bad} are not finite (NaN or Inf){named}."
         if nan_policy == "continue":
             warnings.warn(
                 message + " Training continues (nan_policy='continue').", RuntimeWarning, stacklevel=3

@@ -42,11 +42,15 @@ class TrainState(NamedTuple):
 
     @classmethod
     def create(cls, params: Any, optimizer: Any, *, hook_state: Any = None, seed: int = 0) -> TrainState:
-        """A fresh state: ``optimizer.init(params)``, step 0, ``PRNGKey(seed)``."""
+        """A fresh state: copies of ``params`` and ``hook_state`` (the step donates the state, so the
+        caller's arrays stay valid), ``optimizer.init(params)``, step 0, ``PRNGKey(seed)``."""
+        params = jax.tree.map(lambda a: jnp.array(a, copy=True), params)  # steps donate the state
         return cls(
             params=params,
             opt_state=optimizer.init(params),
-            hook_state={} if hook_state is None else hook_state,
+            hook_state={}
+            if hook_state is None
+            else jax.tree.map(lambda a: jnp.array(a, copy=True), hook_state),
             step=jnp.zeros((), jnp.int32),
             rng=jax.random.PRNGKey(seed),
             nonfinite_step=jnp.full((), -1, jnp.int32),

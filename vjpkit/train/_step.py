@@ -63,8 +63,9 @@ def make_step(
         optimizer: an optax ``GradientTransformation``.
         hooks: layer hooks, as in ``vjpkit.grad``; stateful ones use ``state.hook_state``.
         capture: capture spec(s), as in ``vjpkit.grad``; records go to ``metrics["captured"]``.
-        nan_policy: ``"stop"``: a step whose loss is not finite, and every later one, leaves the
-            state unchanged (``state.nonfinite_step`` records it); ``"continue"``: it is recorded
+        nan_policy: ``"stop"``: a step whose loss or gradients are not finite, and every later
+            one, leaves the state unchanged, step count and rng included
+            (``state.nonfinite_step`` records it); ``"continue"``: it is recorded
             and training goes on; ``"off"``: nothing is checked.
         jit: return the ``jax.jit``-compiled step (state donated); ``False`` gives the traceable
             function, for ``lax.scan`` or a custom jit.
@@ -103,14 +104,15 @@ def make_step(
             state.nonfinite_step,
         )
         if nan_policy != "off":
-            finite = jnp.isfinite(loss)
+            grad_leaves = jax.tree.leaves(grads)
+            finite = jnp.isfinite(loss) & jnp.all(
+                jnp.array([jnp.isfinite(g).all() for g in grad_leaves] or [True])
+            )
             first_bad = jnp.where((state.nonfinite_step < 0) & ~finite, state.step, state.nonfinite_step)
             new = new._replace(nonfinite_step=first_bad)
             if nan_policy == "stop":
                 ok = first_bad < 0
-                new = TrainState(
-                    *_select(ok, tuple(new[:3]), tuple(state[:3])), new.step, new.rng, new.nonfinite_step
-                )
+                new = TrainState(*_select(ok, tuple(new[:5]), tuple(state[:5])), new.nonfinite_step)
         metrics = {"loss": loss}
         if captures:
             metrics["captured"] = captured
