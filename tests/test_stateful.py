@@ -585,4 +585,3 @@ def test_jitted_step_with_state_threading_traces_once():
     assert counts[0] > after_init
     assert counts == [counts[0]] * len(counts), counts
     assert float(state["fc1"][0].count) == len(xs)
-    assert step._cache_size() == 1
