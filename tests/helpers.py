@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import types
+
 import jax
 import numpy as np
 
@@ -19,3 +23,14 @@ def tree_allclose(a, b, *, rtol: float = 1e-6, atol: float = 1e-6) -> None:
         np.testing.assert_allclose(
             x.astype(np.float64), y.astype(np.float64), rtol=rtol, atol=atol, err_msg=where
         )
+
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name: str) -> types.ModuleType:
+    """Imports ``examples/<name>.py`` as a module (its ``main`` is not run)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -10,9 +10,7 @@ check fails if the hook does nothing, normalizes the wrong thing, or the state i
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import pathlib
 
 import jax
 import numpy as np
@@ -20,22 +18,14 @@ import optax
 import pytest
 
 import vjpkit as vk
-from tests.helpers import tree_allclose
+from tests.helpers import load_example, tree_allclose
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 STEPS = 6
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def example():
-    module = load("grad_moderation")
+    module = load_example("grad_moderation")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         out = module.main(["--steps", str(STEPS), "--scan-steps", "3", "--print-every", "1"])
@@ -137,6 +127,6 @@ def test_prints_state_and_std_every_step(example):
 
 @pytest.mark.slow
 def test_grad_moderation_learns():
-    out = load("grad_moderation").main([])
+    out = load_example("grad_moderation").main([])
     assert out["jit"]["accuracy"] > 0.85
     assert out["scan"]["accuracy"] > 0.85

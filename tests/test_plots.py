@@ -7,7 +7,6 @@ returns (and of ``jax.grad``'s), the histogram counts computed here against the 
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import pathlib
 import struct
@@ -19,12 +18,12 @@ import optax
 import pytest
 
 import vjpkit as vk
+from tests.helpers import load_example
 from tests.models import mlp_loss, mlp_setup
 from vjpkit.inspect import _plots as plots
 
 pytest.importorskip("matplotlib")
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -352,17 +351,14 @@ def test_plotting_uses_pyplot_when_the_caller_does(history):
 # --------------------------------------------------------------------------- the example
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("example_plot_gradients", EXAMPLES / "plot_gradients.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_plot_example():
+    return load_example("plot_gradients")
 
 
 @pytest.mark.slow
 def test_example_writes_its_three_pngs(tmp_path, capsys):
     pytest.importorskip("sklearn")
-    example = load_example()
+    example = load_plot_example()
     out = example.main(["--steps", "12", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(example.FILES)

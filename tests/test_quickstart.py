@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from tests.helpers import tree_allclose
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_example, tree_allclose
 
 
 def dense_fn(p, x):
@@ -28,7 +16,7 @@ def dense_fn(p, x):
 
 
 def test_quickstart_records_are_exact(capsys):
-    quickstart = load("quickstart")
+    quickstart = load_example("quickstart")
     out = quickstart.main(["--steps", "30", "--batch-size", "16"])
     printed = capsys.readouterr().out
     assert "Accuracy of prediction on test dataset" in printed
@@ -60,7 +48,7 @@ def test_quickstart_records_are_exact(capsys):
 
 
 def test_quickstart_final_params_match_plain_optax():
-    quickstart = load("quickstart")
+    quickstart = load_example("quickstart")
     out = quickstart.main(["--steps", "20", "--batch-size", "16"])
     # the same run with jax.value_and_grad and no hooks
     key_data, key_init = jax.random.split(jax.random.key(0))
@@ -79,5 +67,5 @@ def test_quickstart_final_params_match_plain_optax():
 
 @pytest.mark.slow
 def test_quickstart_learns():
-    out = load("quickstart").main([])
+    out = load_example("quickstart").main([])
     assert out["accuracy"] > 0.9

@@ -10,7 +10,6 @@ ran, so the check also pins down that capture sees the record after the hooks.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import pathlib
 import re
@@ -23,19 +22,11 @@ import optax
 import pytest
 
 import vjpkit as vk
-from tests.helpers import tree_allclose
+from tests.helpers import load_example, tree_allclose
 from vjpkit.train._data import ArrayBatches
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 FIRST, TOTAL = 6, 10  # the first run stops at FIRST; the resumed one goes on to TOTAL
 BATCH, LR, SEED = 32, 0.01, 3
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(module, steps: int, directory: pathlib.Path, *extra: str) -> dict:
@@ -50,7 +41,7 @@ def run(module, steps: int, directory: pathlib.Path, *extra: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    td = load("train_digits")
+    td = load_example("train_digits")
     resumed_dir = tmp_path_factory.mktemp("resumed")
     first = run(td, FIRST, resumed_dir)
     resumed = run(td, TOTAL, resumed_dir)
@@ -188,7 +179,7 @@ def test_scan_steps_deliver_every_steps_records(runs, reference):
 
 @pytest.mark.slow
 def test_train_digits_learns():
-    td = load("train_digits")
+    td = load_example("train_digits")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         out = td.main(["--no-progress"])
