@@ -97,7 +97,9 @@ def _same_pads(size: int, k: int, s: int) -> tuple[int, int]:
 def _pads(x_shape, window, stride, padding):
     if padding == "SAME":
         return [_same_pads(x_shape[1], window[0], stride[0]), _same_pads(x_shape[2], window[1], stride[1])]
-    return [(0, 0), (0, 0)]
+    if padding == "VALID":
+        return [(0, 0), (0, 0)]
+    return [tuple(p) for p in padding]
 
 
 def _np_conv(x, w, b, stride, padding):
@@ -230,6 +232,37 @@ CASES = [
         (1, 5, 6, 2),
         lambda p, x: _np_pool(x, (3, 3), (2, 2), "SAME", "max"),
         order=1,
+    ),
+    Case(
+        "max_pool_uneven_same",
+        lambda: nn.max_pool((2, 3), padding="SAME"),
+        "max_pool",
+        (2, 5, 7, 3),
+        lambda p, x: _np_pool(x, (2, 3), (2, 3), "SAME", "max"),
+        order=1,
+    ),
+    Case(
+        "max_pool_uneven_valid",
+        lambda: nn.max_pool(2),
+        "max_pool",
+        (1, 5, 7, 2),
+        lambda p, x: _np_pool(x, (2, 2), (2, 2), "VALID", "max"),
+        order=1,
+    ),
+    Case(
+        "max_pool_explicit_overlap",
+        lambda: nn.max_pool(2, stride=1, padding=[(1, 0), (0, 1)]),
+        "max_pool",
+        (1, 4, 3, 2),
+        lambda p, x: _np_pool(x, (2, 2), (1, 1), [(1, 0), (0, 1)], "max"),
+        order=1,
+    ),
+    Case(
+        "avg_pool_explicit",
+        lambda: nn.avg_pool(2, padding=[(1, 1), (0, 1)]),
+        "avg_pool",
+        (2, 4, 5, 3),
+        lambda p, x: _np_pool(x, (2, 2), (2, 2), [(1, 1), (0, 1)], "avg"),
     ),
     Case(
         "avg_pool",
@@ -939,3 +972,28 @@ def test_serial_rejects_bad_children():
     x = _normal(1, (2, 3))
     with pytest.raises(vk.ConfigError, match="other"):
         model.apply({"fc": _params(model, x)["fc"], "other": {}}, x)
+
+
+def _np_max_pool_grad_shared_ties(x, g, k):
+    """d/dx of sum(g * max_pool(x)) for non-overlapping k x k windows, ties sharing equally."""
+    x, g = np.asarray(x, np.float64), np.asarray(g, np.float64)
+    out = np.zeros_like(x)
+    for i in range(g.shape[1]):
+        for j in range(g.shape[2]):
+            patch = x[:, i * k : (i + 1) * k, j * k : (j + 1) * k, :]
+            top = patch == patch.max(axis=(1, 2), keepdims=True)
+            share = g[:, i : i + 1, j : j + 1, :] / top.sum(axis=(1, 2), keepdims=True)
+            out[:, i * k : (i + 1) * k, j * k : (j + 1) * k, :] = top * share
+    return out
+
+
+def test_max_pool_ties_share_the_gradient(maybe_jit):
+    # relu then pool: windows of zeros and exact ties are where pooling gradients differ
+    x = jnp.round(jax.random.normal(jax.random.key(3), (2, 4, 6, 3)))
+    x = jax.nn.relu(x)
+    pool = nn.max_pool(2)
+    y, pullback = jax.vjp(lambda x: maybe_jit(pool.apply)({}, x), x)
+    g = _normal(4, y.shape)
+    (gx,) = pullback(g)
+    np.testing.assert_allclose(np.asarray(gx), _np_max_pool_grad_shared_ties(x, g, 2), rtol=1e-6, atol=1e-7)
+    assert np.any((np.asarray(x) == 0).reshape(2, 2, 2, 3, 2, 3).all(axis=(2, 4)))  # a window of ties

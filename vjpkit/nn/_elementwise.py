@@ -1,7 +1,13 @@
 """Parameter-less layers: activations, ``flatten``, ``dropout``, ``max_pool``, ``avg_pool``.
 
-Contract: each returns a hookable ``Layer`` with empty params. Pools are NHWC
-and use ``lax.reduce_window``; ``avg_pool`` divides by the window size (padding counts as 0).
+Contract: each returns a hookable ``Layer`` with empty params. Pools are NHWC; ``avg_pool``
+divides by the window size (padding counts as 0). Non-overlapping pools (stride == window, the
+default) pad, reshape to ``(B, Ho, wh, Wo, ww, C)`` and reduce: their gradient is a plain
+elementwise mask, where ``lax.reduce_window``'s (``select_and_scatter``) made a 2x2 max-pool
+the slowest op of a small CNN's step on XLA:CPU. Overlapping pools use ``lax.reduce_window``.
+For ``max_pool`` the gradient is the same except on ties inside one window: the
+non-overlapping path shares it equally between the tied maxima (as ``jnp.max`` does), where
+``reduce_window`` gives it all to one of them.
 ``dropout`` takes its randomness explicitly: ``apply(params, x, key=k)``, or
 ``deterministic=True`` for the identity.
 """
@@ -98,6 +104,21 @@ def dropout(rate: float, *, name: str | None = None) -> Layer:
     return layer(fn, name=name or "dropout")
 
 
+def _reduce_blocks(x, fill, window, padding, reducer):
+    """``reduce_window`` for stride == window, as pad + reshape + reduce."""
+    wh, ww = window
+    if isinstance(padding, str):
+        pads = jax.lax.padtype_to_pads(x.shape[1:3], window, window, padding)
+    else:
+        pads = [tuple(p) for p in padding]
+    if any(p != (0, 0) for p in pads):
+        x = jax.lax.pad(x, fill, [(0, 0, 0), (*pads[0], 0), (*pads[1], 0), (0, 0, 0)])
+    b, h, w, c = x.shape
+    ho, wo = (h - wh) // wh + 1, (w - ww) // ww + 1
+    blocks = x[:, : ho * wh, : wo * ww].reshape(b, ho, wh, wo, ww, c)
+    return blocks.max(axis=(2, 4)) if reducer is jax.lax.max else blocks.sum(axis=(2, 4))
+
+
 def _pool(reducer, init_value, window, stride, padding, average: bool, default_name: str, name):
     wh, ww = (window, window) if isinstance(window, int) else tuple(window)
     if stride is None:
@@ -107,9 +128,12 @@ def _pool(reducer, init_value, window, stride, padding, average: bool, default_n
 
     def fn(params, x):
         del params
-        y = jax.lax.reduce_window(
-            x, np.array(init_value, x.dtype), reducer, (1, wh, ww, 1), (1, sh, sw, 1), padding
-        )
+        fill = np.array(init_value, x.dtype)
+        if (sh, sw) == (wh, ww):
+            y = _reduce_blocks(x, fill, (wh, ww), padding, reducer)
+        else:
+            pads = padding if isinstance(padding, str) else [(0, 0), *map(tuple, padding), (0, 0)]
+            y = jax.lax.reduce_window(x, fill, reducer, (1, wh, ww, 1), (1, sh, sw, 1), pads)
         return y / jnp.array(wh * ww, x.dtype) if average else y
 
     return layer(fn, name=name or default_name)
@@ -117,6 +141,15 @@ def _pool(reducer, init_value, window, stride, padding, average: bool, default_n
 
 def max_pool(window=2, stride=None, padding="VALID", *, name: str | None = None) -> Layer:
     """Max over ``window`` patches of NHWC input (stride defaults to the window).
+
+    Args:
+        window: ``k`` or ``(kh, kw)``.
+        stride: ``s`` or ``(sh, sw)``; default: the window (non-overlapping, the fast path).
+        padding: ``"VALID"``, ``"SAME"`` or ``[(lo, hi), (lo, hi)]``; padding is ``-inf``.
+        name: the name when no combinator names it.
+
+    On a tie inside one window, the non-overlapping pool shares the gradient equally between
+    the tied maxima (as ``jnp.max``); an overlapping pool gives it to one of them.
 
     Examples:
         >>> nn.max_pool(2).apply({}, jnp.ones((1, 4, 4, 3))).shape
@@ -127,6 +160,8 @@ def max_pool(window=2, stride=None, padding="VALID", *, name: str | None = None)
 
 def avg_pool(window=2, stride=None, padding="VALID", *, name: str | None = None) -> Layer:
     """Mean over ``window`` patches of NHWC input (stride defaults to the window).
+
+    Arguments as :func:`max_pool`; padding counts as 0 and the divisor is always ``kh * kw``.
 
     Examples:
         >>> nn.avg_pool(2).apply({}, jnp.ones((1, 4, 4, 3))).shape
