@@ -1,6 +1,9 @@
 """The three benchmark models, each as a vjpkit model and as hand-written raw JAX.
 
-Both versions share one params pytree, so any difference in step time is vjpkit's.
+Both versions share one params pytree, so any difference in step time is vjpkit's. The raw CNN
+max-pools by reshaping (``max_pool_reshape``), the same computation as ``vjpkit.nn.max_pool``;
+``EXTRA_RAW`` holds the CNN written with ``lax.reduce_window`` pooling instead, whose gradient
+(``select_and_scatter``) is much slower on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ def _conv(p, x):
     return y + p["bias"]
 
 
-def _max_pool(x):
+def max_pool_reshape(x):
+    """2x2, stride 2, VALID max pool of NHWC ``x`` as a reshape and a max."""
+    b, h, w, c = x.shape
+    ho, wo = h // 2, w // 2
+    return x[:, : ho * 2, : wo * 2].reshape(b, ho, 2, wo, 2, c).max(axis=(2, 4))
+
+
+def max_pool_reduce_window(x):
+    """The same pool with ``lax.reduce_window``."""
     return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
 
 
@@ -63,15 +74,21 @@ def cnn():
         fc=nn.dense(10),
     )
 
+    return "CNN 1-16-32 (3x3, pool), 28x28, batch 64", model, _cnn_raw(max_pool_reshape), (64, 28, 28, 1), 10
+
+
+def _cnn_raw(pool):
     def raw(p, x):
-        h = _max_pool(jax.nn.relu(_conv(p["conv1"], x)))
-        h = _max_pool(jax.nn.relu(_conv(p["conv2"], h)))
+        h = pool(jax.nn.relu(_conv(p["conv1"], x)))
+        h = pool(jax.nn.relu(_conv(p["conv2"], h)))
         return _dense(p["fc"], h.reshape(h.shape[0], -1))
 
-    return "CNN 1-16-32 (3x3, pool), 28x28, batch 64", model, raw, (64, 28, 28, 1), 10
+    return raw
 
 
 MODELS = {"mlp_small": mlp_small, "mlp_mnist": mlp_mnist, "cnn": cnn}
+# Extra raw-JAX rows per model: name -> raw apply on the same params.
+EXTRA_RAW = {"cnn": {"raw JAX, lax.reduce_window pool": _cnn_raw(max_pool_reduce_window)}}
 
 
 def data(shape, classes, seed=0):

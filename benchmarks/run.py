@@ -1,11 +1,17 @@
-"""Side-by-side step-time benchmark: vjpkit variants against raw JAX, in one process and run.
+"""Side-by-side step-time benchmark: vjpkit variants against raw JAX and peer frameworks, in one run.
 
-Each variant is a jitted optax SGD step on the same model, params and data. Timing uses
-interleaved rounds: every round times each variant (in a shuffled order) over a block of
-steps, and the reported figure is the median over rounds of the per-step time. Ratios are
-medians of the per-round ratios to raw JAX, so slow drifts of the machine cancel out.
+Each variant is a training step (SGD, lr 0.01, momentum 0.9, softmax cross-entropy) on the same
+model, initial weights and data. The JAX variants (raw JAX, vjpkit, Flax NNX, Equinox) are
+jitted and run in this process; PyTorch runs eagerly in a worker subprocess (``peers.py``).
+Timing uses interleaved rounds: every round times each variant (in a shuffled order) over a
+block of steps, and the reported figure is the median over rounds of the per-step time. Ratios
+are medians of the per-round ratios, so slow drifts of the machine cancel out. It also runs
+``per_example_bench.py``'s comparison of per-example gradient norms (``--no-per-example``
+skips it).
 
-Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15]``
+Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
+[--compile-repeats 3] [--peers flax,equinox,torch] [--no-per-example] [--out PATH]``. What the
+rows, columns and memory figures are: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -18,34 +24,51 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from models import MODELS, data, loss_of
+import peers
+from models import EXTRA_RAW, MODELS, data, loss_of
 
 import vjpkit as vk
 
 HERE = pathlib.Path(__file__).resolve().parent
+RAW = "raw JAX"
+NO_HOOKS, CAPTURE = "vjpkit, no hooks", "vjpkit, capture norms"
+HOST, HOOK = "vjpkit, capture + host every step", "vjpkit, traced modifying hook on every layer"
+VJPKIT_ROWS = (NO_HOOKS, CAPTURE, HOST, HOOK)
+TORCH_HOOKS = peers.TORCH_ROWS[1]
+WARMUP = 3
 
 
-def make_steps(model, raw_apply, x, y):
-    """The variants: name -> (jitted step, initial carry)."""
+def clip_layer_grads(rec):
+    """The traced hook of the modifying row: clips each layer's parameter gradient to norm 1."""
+    if not rec.grad_params:  # relu, pool, flatten: nothing to clip
+        return None
+    scale = jnp.minimum(1.0, 1.0 / (optax.global_norm(rec.grad_params) + 1e-6))
+    return rec.replace(grad_params=jax.tree.map(lambda g: g * scale, rec.grad_params))
+
+
+def jax_variants(key, model, raw_apply, x, y):
+    """raw JAX and the vjpkit rows: name -> JaxVariant, plus the initial params."""
     params = model.init(jax.random.key(0), x)
-    opt = optax.sgd(0.01, momentum=0.9)
-    raw_loss, vk_loss = loss_of(raw_apply), loss_of(model.apply)
-    norms = vk.capture("*", fields=["grad_output", "grad_input", "grad_params"], reduce="norm")
+    opt = optax.sgd(peers.LR, momentum=peers.MOMENTUM)
+    vk_loss = loss_of(model.apply)
+    fields = ["grad_output", "grad_input", "grad_params"]
+    norms = vk.capture("*", fields=fields, reduce="norm")
     delivered = []
-    host = vk.capture(
-        "*",
-        fields=["grad_output", "grad_input", "grad_params"],
-        reduce="norm",
-        host=vk.on_host(delivered.append),
-    )
+
+    def keep_last(records):  # the host callback: keeps the latest step's norms
+        delivered[:] = [records]
+
+    host = vk.capture("*", fields=fields, reduce="norm", host=vk.on_host(keep_last))
 
     def sgd(value_and_grad, with_capture):
         def step(carry, x, y):
@@ -57,75 +80,268 @@ def make_steps(model, raw_apply, x, y):
 
         return jax.jit(step)
 
+    steps = {RAW: sgd(jax.value_and_grad(loss_of(raw_apply)), False)}
+    for name, extra_raw in EXTRA_RAW.get(key, {}).items():
+        steps[name] = sgd(jax.value_and_grad(loss_of(extra_raw)), False)
+    steps[NO_HOOKS] = sgd(vk.value_and_grad(vk_loss), False)
+    steps[CAPTURE] = sgd(vk.value_and_grad(vk_loss, capture=norms), True)
+    steps[HOST] = sgd(vk.value_and_grad(vk_loss, capture=host), True)
+    steps[HOOK] = sgd(vk.value_and_grad(vk_loss, hooks={"*": clip_layer_grads}), False)
     carry = (params, opt.init(params))
-    variants = {
-        "raw JAX": sgd(jax.value_and_grad(raw_loss), False),
-        "vjpkit, no hooks": sgd(vk.value_and_grad(vk_loss), False),
-        "vjpkit, capture norms": sgd(vk.value_and_grad(vk_loss, capture=norms), True),
-        "vjpkit, capture + host every step": sgd(vk.value_and_grad(vk_loss, capture=host), True),
-    }
-    return variants, carry
+    variants = {}
+    for name, step in steps.items():
+        variants[name] = peers.JaxVariant(step, carry, x, y, None)
+        variants[name].lower = lambda step=step: step.lower(carry, x, y)
+    return variants, params
 
 
-def time_block(step, carry, x, y, n):
-    out = None
-    start = time.perf_counter()
-    for _ in range(n):
-        carry, loss, extra = step(carry, x, y)
-        out = (loss, extra)
-    jax.block_until_ready(out)
-    jax.effects_barrier()
-    return (time.perf_counter() - start) / n
+def jax_peer_variants(key, params, x, y, selected):
+    """The Flax NNX and Equinox rows: name -> JaxVariant, or a 'skipped: ...' string."""
+    out = {}
+    for peer, build in (("flax", peers.flax_variants), ("equinox", peers.equinox_variants)):
+        rows = peers.PEER_ROWS[peer]
+        if peer not in selected:
+            out.update(dict.fromkeys(rows, "skipped: not in --peers"))
+            continue
+        try:
+            out.update(build(key, params, x, y))
+        except ImportError as err:
+            out.update(dict.fromkeys(rows, f"skipped: {type(err).__name__}: {err}"))
+    return out
 
 
-def bench_model(key, rounds, block, warmup=3):
+def torch_peer_variants(key, params, x, y, selected, torch_client, tmpdir):
+    """The PyTorch rows: name -> TorchVariant (set up in the worker), or a 'skipped: ...' string."""
+    rows = peers.TORCH_ROWS
+    if "torch" not in selected:
+        return dict.fromkeys(rows, "skipped: not in --peers")
+    hello = torch_client.hello()
+    if not hello["ok"]:
+        return dict.fromkeys(rows, f"skipped: {hello['error']}")
+    return peers.torch_variants(torch_client, key, params, x, y, tmpdir)
+
+
+def bench_model(key, rounds, block, selected, torch_client, tmpdir, compile_repeats=1):
     title, model, raw_apply, shape, classes = MODELS[key]()
     x, y = data(shape, classes)
-    variants, carry = make_steps(model, raw_apply, x, y)
-    compile_s = {}
-    for name, step in variants.items():
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(carry, x, y)[1])
-        compile_s[name] = time.perf_counter() - t0
-        for _ in range(warmup):
-            step(carry, x, y)
-    times = {name: [] for name in variants}
-    order = list(variants)
-    for _ in range(rounds):
-        random.shuffle(order)
+    rng = random.Random(0)
+    firsts, loss0 = {}, {}
+    for _ in range(compile_repeats):  # first calls, each time from empty caches, in a shuffled order
+        jax.clear_caches()
+        variants, params = jax_variants(key, model, raw_apply, x, y)
+        variants.update(jax_peer_variants(key, params, x, y, selected))
+        order = [n for n, v in variants.items() if not isinstance(v, str)]
+        rng.shuffle(order)
         for name in order:
-            times[name].append(time_block(variants[name], carry, x, y, block))
-    base = times["raw JAX"]
+            t, loss0[name] = variants[name].first_call()
+            firsts.setdefault(name, []).append(t)
+    variants.update(torch_peer_variants(key, params, x, y, selected, torch_client, tmpdir))
+    live = {n: v for n, v in variants.items() if not isinstance(v, str)}
+    memory = {}
+    for name, v in live.items():
+        if isinstance(v, peers.TorchVariant):
+            firsts[name] = [v.info["first_call_s"]]
+            loss0[name], memory[name] = v.info["first_loss"], v.info["memory"]
+        else:
+            v.warm_up(WARMUP)
+            memory[name] = v.memory()
+    first = {name: statistics.median(f) for name, f in firsts.items()}
+    times = {name: [] for name in live}
+    order = list(live)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(live[name].time(block))
     rows = []
-    for name in variants:
-        ratios = [t / b for t, b in zip(times[name], base)]
+    for name, v in variants.items():
+        if isinstance(v, str):
+            rows.append({"variant": name, "status": v})
+            continue
         rows.append(
             {
                 "variant": name,
+                "status": "ok",
                 "median_step_us": 1e6 * statistics.median(times[name]),
-                "ratio_to_raw": statistics.median(ratios),
-                "first_call_s": compile_s[name],
-                "compile_ratio": compile_s[name] / compile_s["raw JAX"],
+                "ratio_to_raw": ratio(times, name, RAW),
+                "first_call_s": first[name],
+                "compile_ratio": compile_ratio(firsts, name),
+                "peak_memory_mb": memory[name]["peak_mb"],
+                "memory": memory[name],
+                "first_loss": loss0[name],
+                "step_s_per_round": times[name],
+                "first_call_s_samples": firsts[name],
             }
         )
-    return {"model": key, "title": title, "rows": rows}
+    result = {"model": key, "title": title, "rows": rows}
+    compile_ratios = {r["variant"]: r["compile_ratio"] for r in rows if r["status"] == "ok"}
+    result["targets"] = targets(times, compile_ratios)
+    result["max_first_loss_diff"] = max(abs(loss0[n] - loss0[RAW]) for n in loss0)
+    return result
 
 
-def markdown(results):
+def compile_ratio(firsts, name):
+    """First call / raw JAX's: the median of per-repeat ratios (PyTorch: one sample, to the median)."""
+    if len(firsts[name]) == len(firsts[RAW]):
+        return ratio(firsts, name, RAW)
+    return statistics.median(firsts[name]) / statistics.median(firsts[RAW])
+
+
+def ratio(times, a, b):
+    """Median over rounds of the per-round ratio time(a) / time(b)."""
+    return statistics.median(ta / tb for ta, tb in zip(times[a], times[b]))
+
+
+def targets(times, compile_ratio):
+    """The issue's targets, judged on this run's numbers (met is None when a peer was skipped)."""
+    out = []
+
+    def add(text, value, limit, against=None, strict=False):
+        if against is not None and against not in times:
+            out.append({"target": text, "value": None, "met": None, "note": f"{against} skipped"})
+            return
+        v = value()
+        out.append({"target": text, "value": v, "met": v < limit if strict else v <= limit})
+
+    add("vjpkit, no hooks / raw JAX <= 1.02", lambda: ratio(times, NO_HOOKS, RAW), 1.02)
+    add("vjpkit, capture norms / raw JAX <= 1.10", lambda: ratio(times, CAPTURE, RAW), 1.10)
+    add(
+        f"vjpkit, capture norms / {TORCH_HOOKS} < 1",
+        lambda: ratio(times, CAPTURE, TORCH_HOOKS),
+        1.0,
+        TORCH_HOOKS,
+        strict=True,
+    )
+    for peer in (*peers.FLAX_ROWS, *peers.EQUINOX_ROWS):
+        add(f"vjpkit, no hooks / {peer} <= 1.0", lambda peer=peer: ratio(times, NO_HOOKS, peer), 1.0, peer)
+    for name in VJPKIT_ROWS:
+        add(f"first call: {name} / raw JAX <= 1.3", lambda name=name: compile_ratio[name], 1.3)
+    return out
+
+
+def per_example(quick):
+    """per_example_bench.py's comparison: its timing, and XLA's peak memory computed here."""
+    import per_example_bench as peb
+
+    batch, rounds, block = (32, 3, 2) if quick else (256, 15, 10)
+    fns, args = peb.setup(batch)
+    mem = {v: peers.xla_memory(fns[v].lower(*args).compile()) for v in peb.VARIANTS}
+    t = peb.timing(batch, rounds, block)
+    mem_ratio = mem["vmap(grad)"]["peak_mb"] / mem["vjpkit"]["peak_mb"]
+    return {
+        "title": f"Per-example gradient norms, MLP 784-512-512-10, batch {batch}",
+        "batch": batch,
+        "rounds": rounds,
+        "block": block,
+        "median_ms": t["median_ms"],
+        "xla_memory": mem,
+        "speedup": t["speedup"],
+        "speedup_range": list(t["speedup_range"]),
+        "xla_peak_memory_ratio": mem_ratio,
+        "targets": [
+            {"target": f"vmap(grad) / vjpkit time >= {peb.TARGET_SPEEDUP:.0f}", "value": t["speedup"],
+             "met": t["speedup"] >= peb.TARGET_SPEEDUP},
+            {"target": f"vmap(grad) / vjpkit XLA peak memory >= {peb.TARGET_MEMORY:.0f}", "value": mem_ratio,
+             "met": mem_ratio >= peb.TARGET_MEMORY},
+        ],
+    }  # fmt: skip
+
+
+def _mark(met):
+    return "n/a" if met is None else ("met" if met else "NOT met")
+
+
+def markdown(results, pex=None):
     lines = []
     for res in results:
         lines.append(f"\n**{res['title']}**\n")
-        lines.append("| variant | median step (µs) | ratio to raw JAX | first call (s) |")
-        lines.append("|---|---:|---:|---:|")
+        lines.append(
+            "| variant | median step (µs) | ratio to raw JAX | first call (s) "
+            "| first call / raw JAX | peak memory (MB) |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|")
         for r in res["rows"]:
+            if r["status"] != "ok":
+                lines.append(f"| {r['variant']} | {r['status']} | — | — | — | — |")
+                continue
             cells = [
                 r["variant"],
                 f"{r['median_step_us']:.0f}",
                 f"{r['ratio_to_raw']:.3f}",
                 f"{r['first_call_s']:.2f}",
+                f"{r['compile_ratio']:.2f}",
+                f"{r['peak_memory_mb']:.2f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        for t in res["targets"]:
+            value = t.get("note") if t["value"] is None else f"{t['value']:.3f}"
+            lines.append(f"- {t['target']}: {value} ({_mark(t['met'])})")
+        lines.append(f"- first-step losses: all within {res['max_first_loss_diff']:.1e} of raw JAX's")
+    if pex:
+        lines.append(f"\n**{pex['title']}**\n")
+        lines.append("| variant | median call (ms) | XLA peak: temp + args + out (MB) |")
+        lines.append("|---|---:|---:|")
+        for v, ms in pex["median_ms"].items():
+            m = pex["xla_memory"][v]
+            lines.append(
+                f"| {v} | {ms:.2f} | {m['peak_mb']:.1f} ({m['temp_mb']:.1f} + {m['argument_mb']:.1f} "
+                f"+ {m['output_mb']:.1f}) |"
+            )
+        lines.append("")
+        lo, hi = pex["speedup_range"]
+        for t in pex["targets"]:
+            lines.append(f"- {t['target']}: {t['value']:.2f} ({_mark(t['met'])})")
+        lines.append(f"- per-round time ratios vmap(grad) / vjpkit: {lo:.2f}-{hi:.2f}")
     return "\n".join(lines)
+
+
+def cpu_times():
+    """(all cores' time, their busy time, this process's and its waited children's CPU time), or None."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    hz, own = os.sysconf("SC_CLK_TCK"), os.times()
+    mine = own.user + own.system + own.children_user + own.children_system
+    return sum(ticks) / hz, (sum(ticks) - ticks[3] - ticks[4]) / hz, mine
+
+
+def other_cpu_share(before, after):
+    """The share of all cores' time that other processes used between two ``cpu_times()``."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    total, busy, mine = (a - b for a, b in zip(after, before))
+    return max(0.0, busy - mine) / total
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def versions(torch_client):
+    out = {"python": platform.python_version(), "jax": jax.__version__, "numpy": np.__version__}
+    out["optax"] = optax.__version__
+    for mod in ("flax", "equinox"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError as err:
+            out[mod] = f"not available ({err})"
+    if torch_client is None:
+        out["torch"] = "not run"
+    else:
+        hello = torch_client.hello()
+        out["torch"] = hello["torch"] if hello["ok"] else f"not available ({hello['error']})"
+        if hello["ok"]:
+            out["torch_threads"] = hello["threads"]
+    return out
 
 
 def main(argv=None):
@@ -134,27 +350,66 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block", type=int, default=20, help="steps per timed block")
+    parser.add_argument(
+        "--peers", default=",".join(peers.PEERS), help="comma-separated peers to run ('none': none)"
+    )
+    parser.add_argument(
+        "--compile-repeats", type=int, default=3, help="first calls per variant, from empty caches"
+    )
+    parser.add_argument("--no-per-example", action="store_true", help="skip the per-example-norms table")
     parser.add_argument("--out", default=str(HERE / "results.json"))
     args = parser.parse_args(argv)
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
+    repeats = 1 if args.quick else args.compile_repeats
     keys = [k for k in args.models.split(",") if k]
     unknown = [k for k in keys if k not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
-    results = [bench_model(k, rounds, block) for k in keys]
+    selected = [p for p in args.peers.split(",") if p and p != "none"]
+    if set(selected) - set(peers.PEERS):
+        parser.error(f"unknown peer(s) {sorted(set(selected) - set(peers.PEERS))}; choose from {peers.PEERS}")
+    threads = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    start, cpu_before = time.perf_counter(), cpu_times()
+    torch_client = peers.TorchClient(threads) if "torch" in selected else None
+    try:
+        if torch_client is not None:
+            torch_client.hello()  # wait for its import of torch: no competition for the CPU later
+        with tempfile.TemporaryDirectory() as tmpdir:
+            results = [bench_model(k, rounds, block, selected, torch_client, tmpdir, repeats) for k in keys]
+        meta_versions = versions(torch_client)
+    finally:
+        if torch_client is not None:
+            torch_client.close()
+    pex = None if args.no_per_example else per_example(args.quick)
     meta = {
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-        "jax": jax.__version__,
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": load,
+        "other_cpu_share": other_cpu_share(cpu_before, cpu_times()),
         "backend": jax.default_backend(),
-        "numpy": np.__version__,
+        "versions": meta_versions,
+        "jax": jax.__version__,
         "rounds": rounds,
         "block": block,
+        "compile_repeats": repeats,
+        "quick": args.quick,
+        "peers": selected,
+        "wall_s": time.perf_counter() - start,
     }
-    pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(f"{meta['date']} | {meta['machine']} | jax {meta['jax']} ({meta['backend']})")
-    print(markdown(results))
-    return results
+    out = {"meta": meta, "results": results, "per_example": pex}
+    pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    v, busy = meta["versions"], meta["other_cpu_share"]
+    print(
+        f"{meta['date']} | {meta['machine']} ({meta['cpu']}) | load {load or 0:.2f} | jax {v['jax']} "
+        f"({meta['backend']}), flax {v['flax']}, equinox {v['equinox']}, torch {v['torch']} "
+        f"| {rounds} rounds of {block} steps | {meta['wall_s']:.0f} s"
+        + ("" if busy is None else f" | other processes used {100 * busy:.0f}% of the CPU meanwhile")
+    )
+    print(markdown(results, pex))
+    return out
 
 
 if __name__ == "__main__":

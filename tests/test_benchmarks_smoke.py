@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -10,26 +11,71 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+JAX_ROWS = [
+    "raw JAX",
+    "vjpkit, no hooks",
+    "vjpkit, capture norms",
+    "vjpkit, capture + host every step",
+    "vjpkit, traced modifying hook on every layer",
+]
+FLAX_ROWS = ["Flax NNX", "Flax NNX (split/merge + jax.jit)"]
+TORCH_ROWS = ["PyTorch eager", "PyTorch eager + full backward hooks (norms)"]
+ALL_ROWS = JAX_ROWS + FLAX_ROWS + ["Equinox"] + TORCH_ROWS
+
+
+def run_bench(tmp_path, *extra, env=None):
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--models", "mlp_small"]
+    proc = subprocess.run(
+        [*cmd, *extra, "--out", str(out)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def check_row(row):
+    if row["status"] == "ok":
+        for k in ("median_step_us", "ratio_to_raw", "first_call_s", "compile_ratio", "peak_memory_mb"):
+            assert row[k] > 0, (row["variant"], k)
+    else:
+        assert row["status"].startswith("skipped: ")
 
 
 @pytest.mark.slow
 def test_benchmark_quick_run_writes_json(tmp_path):
-    out = tmp_path / "results.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "run.py"),
-        "--quick",
-        "--models",
-        "mlp_small",
-        "--out",
-        str(out),
-    ]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
-    data = json.loads(out.read_text())
-    assert {"date", "machine", "jax", "backend"} <= set(data["meta"])
+    data, stdout = run_bench(tmp_path)
+    meta = data["meta"]
+    assert {"date", "machine", "cpu_count", "jax", "backend", "versions"} <= set(meta)
+    assert {"jax", "flax", "equinox", "torch"} <= set(meta["versions"])
     (result,) = data["results"]
     assert result["model"] == "mlp_small"
-    variants = [row["variant"] for row in result["rows"]]
-    assert variants[0] == "raw JAX" and len(variants) == 4
+    assert [row["variant"] for row in result["rows"]] == ALL_ROWS
     for row in result["rows"]:
-        assert row["median_step_us"] > 0 and row["ratio_to_raw"] > 0
+        check_row(row)
+    assert all(row["status"] == "ok" for row in result["rows"][: len(JAX_ROWS)])
+    assert all(t["met"] in (True, False, None) for t in result["targets"])
+    pex = data["per_example"]
+    assert set(pex["median_ms"]) == {"vjpkit", "vmap(grad)", "value_and_grad"}
+    assert all(m["peak_mb"] > 0 for m in pex["xla_memory"].values())
+    assert "| raw JAX |" in stdout and "Per-example gradient norms" in stdout
+
+
+@pytest.mark.slow
+def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
+    """A peer that fails to import becomes a 'skipped' row; one left out of --peers too."""
+    fake = tmp_path / "fake_site"
+    for mod in ("torch", "equinox"):
+        (fake / mod).mkdir(parents=True)
+        (fake / mod / "__init__.py").write_text(f"raise ImportError('simulated: no {mod}')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), env.get("PYTHONPATH", "")])
+    data, stdout = run_bench(tmp_path, "--peers", "equinox,torch", "--no-per-example", env=env)
+    rows = {row["variant"]: row for row in data["results"][0]["rows"]}
+    assert list(rows) == ALL_ROWS
+    for name in FLAX_ROWS:
+        assert rows[name]["status"] == "skipped: not in --peers"
+    for name in ["Equinox", *TORCH_ROWS]:
+        assert rows[name]["status"].startswith("skipped: ImportError: simulated: no ")
+    assert all(rows[name]["status"] == "ok" for name in JAX_ROWS)
+    assert data["per_example"] is None
+    assert "| Equinox | skipped: ImportError" in stdout
