@@ -127,6 +127,6 @@ def test_prints_state_and_std_every_step(example):
 
 @pytest.mark.slow
 def test_grad_moderation_learns():
-    out = load_example("grad_moderation").main([])
+    out = load_example("grad_moderation").main(["--steps", "150"])  # ~0.95 accuracy on both paths
     assert out["jit"]["accuracy"] > 0.85
     assert out["scan"]["accuracy"] > 0.85

@@ -17,6 +17,7 @@ import pytest
 import vjpkit as vk
 from tests.helpers import tree_allclose
 from vjpkit import nn
+from vjpkit.train._checkpoint import Checkpointer  # fit imports it lazily: not an attribute before
 
 SCRIPT = pathlib.Path(__file__).resolve().parent / "_resume_script.py"
 STEPS = 40
@@ -24,6 +25,12 @@ STEPS = 40
 
 def run(ckpt: str, out: pathlib.Path, slow: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(SCRIPT.parents[1]), JAX_PLATFORMS="cpu")
+    # The three runs compile the same programs: they share this session's compilation cache (conftest.py).
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
     cmd = [sys.executable, str(SCRIPT), ckpt, str(out), str(STEPS), "1" if slow else "0"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -46,7 +53,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    saved = vk.train._checkpoint.Checkpointer(ckpt).latest_step()
+    saved = Checkpointer(ckpt).latest_step()
     assert saved is not None and saved < STEPS
 
     resumed = tmp_path / "resumed.npz"

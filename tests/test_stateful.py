@@ -92,7 +92,7 @@ def ema_reference(params, xs, ys, layer="fc2", center=True):
 @pytest.mark.parametrize("center", [True, False], ids=["center", "no-center"])
 def test_ema_normalize_over_sgd_steps_matches_numpy(maybe_jit, center):
     params, _, _ = mlp_setup()
-    xs, ys = batches(4)
+    xs, ys = batches(4 if maybe_jit is jax.jit else 3)  # eager retraces every step: 3 steps suffice
     g = vk.grad(mlp_loss, hooks={"fc2": vk.ema_normalize(DECAY, center=center)})
     state = vk.init_hook_state(g, params, xs[0], ys[0])
     assert sorted(state) == ["fc2"]
@@ -307,14 +307,15 @@ def test_add_noise_is_deterministic_fresh_each_step_and_has_the_right_std(maybe_
     again, _ = g(params, x, y, hook_state=state)
     tree_allclose(first, again, rtol=0, atol=0)  # same key and step: same noise
     noises = []
-    for step in range(6):
+    steps = 6 if maybe_jit is jax.jit else 3  # eager retraces every call; the noise is the same either way
+    for step in range(steps):
         grads, state = g(params, x, y, hook_state=state)
         assert all(float(state[k].count) == step + 1 for k in LAYERS)
         noises.append(jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), grads, raw))
     assert not np.allclose(noises[0]["fc1"]["weight"], noises[1]["fc1"]["weight"])  # fresh each step
     tree_allclose(noises[0], jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), first, raw))
     sample = np.concatenate([leaf.ravel() for n in noises for leaf in jax.tree.leaves(n)])
-    assert sample.size >= 300
+    assert sample.size >= 50 * steps  # enough draws for the std check: 162 eager, 324 under jit
     assert 0.75 * stddev < np.std(sample) < 1.25 * stddev
     assert abs(np.mean(sample)) < 4 * stddev / np.sqrt(sample.size)
 
@@ -343,7 +344,7 @@ def test_add_noise_is_independent_across_layers():
 
 def test_accumulate_stats_matches_numpy_over_steps(maybe_jit):
     params, _, _ = mlp_setup()
-    xs, ys = batches(5)
+    xs, ys = batches(5 if maybe_jit is jax.jit else 3)  # eager retraces every step: 3 steps suffice
     g = vk.grad(mlp_loss, hooks={"fc*": vk.accumulate_stats()})
     state = vk.init_hook_state(g, params, xs[0], ys[0])
     step = maybe_jit(lambda p, s, x, y: g(p, x, y, hook_state=s))
