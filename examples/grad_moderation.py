@@ -35,8 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from _digits import cnn, load_data
 
 import vjpkit as vk
 from vjpkit import nn
@@ -44,15 +43,7 @@ from vjpkit import nn
 CONVS = ("conv1", "conv2")
 
 
-model = nn.serial(
-    conv1=nn.conv2d(8, 3),
-    relu1=nn.relu(),
-    conv2=nn.conv2d(16, 3),
-    relu2=nn.relu(),
-    pool=nn.avg_pool(2),
-    flat=nn.flatten(),
-    fc=nn.dense(10),
-)
+model = cnn(fc=nn.dense(10))
 
 LEGEND = """\
 Columns, for each conv layer's kernel (its 'weight'; the bias is moderated the same way):
@@ -64,15 +55,6 @@ Columns, for each conv layer's kernel (its 'weight'; the bias is moderated the s
             sqrt((ema_var[t] - decay * ema_var[t-1]) / (1 - decay))
   norm_std  std of the kernel gradient AFTER ema_normalize, i.e. what SGD receives
             (captured in-graph: vk.capture("conv*", fields=["grad_params"], reduce=["mean", "var"]))"""
-
-
-def load_data(seed: int = 0):
-    """Digits as NHWC float32 images in [0, 1], labels int32; a stratified 75/25 split."""
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]  # (1797, 8, 8, 1)
-    y = digits.target.astype(np.int32)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
-    return (x_train, y_train), (x_test, y_test)
 
 
 def loss_fn(params, x, y):

@@ -28,32 +28,15 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 import optax
-from sklearn.datasets import load_digits
+from _digits import cnn, load_images
 
 import vjpkit as vk
 from vjpkit import nn
 from vjpkit.inspect import plot_backward_shapes, plot_gradient_flow, plot_histograms
 
-model = nn.serial(
-    conv1=nn.conv2d(8, 3),
-    relu1=nn.relu(),
-    conv2=nn.conv2d(16, 3),
-    relu2=nn.relu(),
-    pool=nn.avg_pool(2),
-    flat=nn.flatten(),
-    fc1=nn.dense(32),
-    relu3=nn.relu(),
-    fc2=nn.dense(10),
-)
+model = cnn(fc1=nn.dense(32), relu3=nn.relu(), fc2=nn.dense(10))
 FILES = ("gradient_flow.png", "histograms.png", "backward_shapes.png")
-
-
-def load_data():
-    """Digits as NHWC float32 images in [0, 1] (1797, 8, 8, 1) and int32 labels."""
-    digits = load_digits()
-    return (digits.images / 16.0).astype(np.float32)[..., None], digits.target.astype(np.int32)
 
 
 def loss_fn(params, batch):
@@ -71,7 +54,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="vjpkit-plots-"))
 
-    x, y = load_data()
+    x, y = load_images()
     params = model.init(jax.random.key(args.seed), x[: args.batch_size])
 
     # 1. Train, capturing each layer's cotangent norms in the graph; a (step, captured) pair per step.

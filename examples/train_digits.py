@@ -30,21 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from _digits import cnn, load_data
 
 import vjpkit as vk
 from vjpkit import nn
 
-model = nn.serial(
-    conv1=nn.conv2d(8, 3),
-    relu1=nn.relu(),
-    conv2=nn.conv2d(16, 3),
-    relu2=nn.relu(),
-    pool=nn.avg_pool(2),
-    flat=nn.flatten(),
-    fc=nn.dense(10),
-)
+model = cnn(fc=nn.dense(10))
 
 DECAY = 0.9  # ema_normalize's EMA decay
 MOMENTUM = 0.9
@@ -58,15 +49,6 @@ def hooks() -> dict:
 def capture() -> vk.CaptureSpec:
     """What each step captures, in the graph: the norm of every layer's parameter gradients."""
     return vk.capture("*", fields=["grad_params"], reduce="norm")
-
-
-def load_data(seed: int = 0):
-    """Digits as NHWC float32 images in [0, 1] and int32 labels; a stratified 75/25 split."""
-    digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]  # (1797, 8, 8, 1)
-    y = digits.target.astype(np.int32)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
-    return (x_train, y_train), (x_test, y_test)
 
 
 def loss_fn(params, batch):

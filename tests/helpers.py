@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 import types
 
 import jax
@@ -29,7 +30,13 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def load_example(name: str) -> types.ModuleType:
-    """Imports ``examples/<name>.py`` as a module (its ``main`` is not run)."""
+    """Imports ``examples/<name>.py`` as a module (its ``main`` is not run).
+
+    ``examples/`` goes on ``sys.path`` first, as it is for ``python examples/<name>.py``, so
+    that an example can import its shared helpers (``examples/_digits.py``).
+    """
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
