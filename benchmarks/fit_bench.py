@@ -45,7 +45,7 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from run import HERE, MODELS, data, loss_of
+from run import HERE, MODELS, cpu_times, data, loss_of, other_cpu_share
 
 import vjpkit as vk
 
@@ -54,26 +54,6 @@ SCANS = (1, 8)
 BATCHES_PER_EPOCH = 16
 WINDOW = {"mlp_small": 256, "mlp_mnist": 256, "cnn": 16}  # W: steps per timed half, multiples of 8
 QUICK_WINDOW = 16
-
-
-def cpu_times() -> tuple[float, float, float] | None:
-    """(all cores' time, their busy time, this process's CPU time) in seconds; None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    own = os.times()
-    return sum(ticks) / hz, (sum(ticks) - ticks[3] - ticks[4]) / hz, own.user + own.system
-
-
-def other_cpu_share(before, after) -> float | None:
-    """The share of all cores' time that other processes used between two ``cpu_times()``."""
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    total, busy, own = (a - b for a, b in zip(after, before))
-    return max(0.0, busy - own) / total
 
 
 def setup(key: str, seed: int = 0) -> dict:

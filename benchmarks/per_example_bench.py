@@ -16,7 +16,7 @@ speed-up the median over rounds of the per-round ratio.
 
 Peak memory, each variant in a fresh subprocess:
 
-* ``xla_peak_mb``: XLA's compiled ``memory_analysis()``: temp + argument + output bytes (the
+* ``xla_peak_mb``: XLA's compiled ``memory_analysis()``: temp + argument + output - alias bytes (the
   buffers the executable needs at once; deterministic). The target is judged on this one.
 * ``rss_run_mb``: the resident-set high-water mark while running the compiled function 5
   times, above the RSS before running (the high-water mark is reset with
@@ -50,6 +50,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from models import data, mlp_mnist  # noqa: E402
+from peers import xla_memory  # noqa: E402
 
 from vjpkit.inspect import per_example_grad_norms  # noqa: E402
 
@@ -99,7 +100,7 @@ def child(variant: str, batch: int) -> dict:
     jax.block_until_ready(args)
     before_compile = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     compiled = fns[variant].lower(*args).compile()
-    mem = compiled.memory_analysis()
+    mem = xla_memory(compiled)
     reset = False
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -113,10 +114,10 @@ def child(variant: str, batch: int) -> dict:
     hwm = _status_kb("VmHWM")
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return dict(
-        xla_temp_mb=mem.temp_size_in_bytes / 1e6,
-        xla_argument_mb=mem.argument_size_in_bytes / 1e6,
-        xla_output_mb=mem.output_size_in_bytes / 1e6,
-        xla_peak_mb=(mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 1e6,
+        xla_temp_mb=mem["temp_mb"],
+        xla_argument_mb=mem["argument_mb"],
+        xla_output_mb=mem["output_mb"],
+        xla_peak_mb=mem["peak_mb"],
         rss_run_mb=(hwm - rss_before_run) / 1e3 if reset and hwm and rss_before_run else None,
         rss_total_mb=(after - before_compile) / 1e3,
     )

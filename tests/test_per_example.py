@@ -316,10 +316,7 @@ def naive_dp(loss_fn, params, batch, clip, sigma, key, step):
 
 
 def naive_dp_step(loss_fn, params, batch, clip, sigma, key, step):
-    def single(p, *example):
-        return loss_fn(p, *jax.tree.map(lambda a: a[None], example))
-
-    grads = jax.vmap(jax.grad(single), in_axes=(None, *[0] * len(batch)))(params, *batch)
+    grads = per_example_grads(loss_fn, params, *batch)
     b = jax.tree.leaves(batch)[0].shape[0]
     norms = jnp.sqrt(sum(jnp.sum(g.reshape(b, -1) ** 2, axis=1) for g in jax.tree.leaves(grads)))
     factor = jnp.minimum(1.0, clip / norms)
