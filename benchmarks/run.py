@@ -191,7 +191,7 @@ def ratio(times, a, b):
     return statistics.median(ta / tb for ta, tb in zip(times[a], times[b]))
 
 
-def targets(times, compile_ratio):
+def targets(times, compile_ratios):
     """The issue's targets, judged on this run's numbers (met is None when a peer was skipped)."""
     out = []
 
@@ -214,7 +214,7 @@ def targets(times, compile_ratio):
     for peer in (*peers.FLAX_ROWS, *peers.EQUINOX_ROWS):
         add(f"vjpkit, no hooks / {peer} <= 1.0", lambda peer=peer: ratio(times, NO_HOOKS, peer), 1.0, peer)
     for name in VJPKIT_ROWS:
-        add(f"first call: {name} / raw JAX <= 1.3", lambda name=name: compile_ratio[name], 1.3)
+        add(f"first call: {name} / raw JAX <= 1.3", lambda name=name: compile_ratios[name], 1.3)
     return out
 
 
