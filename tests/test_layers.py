@@ -997,3 +997,25 @@ def test_max_pool_ties_share_the_gradient(maybe_jit):
     (gx,) = pullback(g)
     np.testing.assert_allclose(np.asarray(gx), _np_max_pool_grad_shared_ties(x, g, 2), rtol=1e-6, atol=1e-7)
     assert np.any((np.asarray(x) == 0).reshape(2, 2, 2, 3, 2, 3).all(axis=(2, 4)))  # a window of ties
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: nn.max_pool(0), "window must be a positive int"),
+        (lambda: nn.avg_pool((2, 2, 2)), r"window .* got \(2, 2, 2\)"),
+        (lambda: nn.max_pool(2, stride=(1, -1)), "stride"),
+        (lambda: nn.max_pool(2, padding="same"), "padding must be 'SAME', 'VALID'"),
+        (lambda: nn.avg_pool(2, padding=[(1, 1)], name="p"), r"nn.avg_pool 'p': padding .* got \[\(1, 1\)\]"),
+        (lambda: nn.conv2d(4, (3,)), r"nn.conv2d: kernel_size .* got \(3,\)"),
+        (lambda: nn.conv2d(4, 3, stride=0), "nn.conv2d: stride must be a positive int"),
+    ],
+)
+def test_pool_and_conv_reject_bad_arguments(make, match):
+    with pytest.raises(vk.ConfigError, match=match):
+        make()
+
+
+def test_pool_rejects_non_nhwc_input(maybe_jit):
+    with pytest.raises(vk.ConfigError, match=r"nn.max_pool: expects NHWC .* got shape \(4, 6\) float32"):
+        maybe_jit(nn.max_pool(2).apply)({}, jnp.ones((4, 6)))

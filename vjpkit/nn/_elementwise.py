@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import ConfigError
-from ._layer import Layer, layer
+from ._layer import Layer, layer, positive_pair
 
 
 def _activation(f, default_name: str, doc: str):
@@ -120,14 +120,30 @@ def _reduce_blocks(x, fill, window, padding, reducer):
 
 
 def _pool(reducer, init_value, window, stride, padding, average: bool, default_name: str, name):
-    wh, ww = (window, window) if isinstance(window, int) else tuple(window)
-    if stride is None:
-        sh, sw = wh, ww
-    else:
-        sh, sw = (stride, stride) if isinstance(stride, int) else tuple(stride)
+    what = f"nn.{default_name}" + (f" {name!r}" if name else "")
+    wh, ww = positive_pair(what, "window", window)
+    sh, sw = (wh, ww) if stride is None else positive_pair(what, "stride", stride)
+    if not (
+        padding in ("SAME", "VALID")
+        or (
+            isinstance(padding, (tuple, list))
+            and len(padding) == 2
+            and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in padding)
+            and all(isinstance(k, (int, np.integer)) for p in padding for k in p)
+        )
+    ):
+        raise ConfigError(
+            f"{what}: padding must be 'SAME', 'VALID' or [(top, bottom), (left, right)] ints, "
+            f"got {padding!r}."
+        )
 
     def fn(params, x):
         del params
+        if jnp.ndim(x) != 4:
+            raise ConfigError(
+                f"{what}: expects NHWC input (batch, height, width, channels), got shape "
+                f"{tuple(jnp.shape(x))} {jnp.result_type(x)}."
+            )
         fill = np.array(init_value, x.dtype)
         if (sh, sw) == (wh, ww):
             y = _reduce_blocks(x, fill, (wh, ww), padding, reducer)

@@ -14,6 +14,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .. import _rule
 from .._errors import ConfigError
 
@@ -80,3 +82,11 @@ def layer(fn: Callable, init: Callable | None = None, *, name: str | None = None
         return _rule.call(fn, params, inputs, accept(kwargs), default)
 
     return Layer(init if init is not None else _no_params, apply)
+
+
+def positive_pair(what: str, arg: str, v) -> tuple[int, int]:
+    """``v`` as ``(h, w)`` from an int or a pair of positive ints; a ``ConfigError`` otherwise."""
+    pair = (v, v) if isinstance(v, (int, np.integer)) else tuple(v) if isinstance(v, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(k, (int, np.integer)) and k > 0 for k in pair):
+        raise ConfigError(f"{what}: {arg} must be a positive int or a pair of them (h, w), got {v!r}.")
+    return pair

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._layer import Layer, layer
+from ._layer import Layer, layer, positive_pair
 
 
 def _param_dtype(x, dtype):
@@ -56,10 +56,6 @@ def dense(features: int, use_bias: bool = True, *, dtype=None, name: str | None 
     return layer(fn, init, name=name or "dense")
 
 
-def _pair(v) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)
-
-
 def conv2d(
     features: int,
     kernel_size,
@@ -87,8 +83,8 @@ def conv2d(
         >>> p["weight"].shape
         (3, 3, 16, 32)
     """
-    kh, kw_ = _pair(kernel_size)
-    strides = _pair(stride)
+    kh, kw_ = positive_pair("nn.conv2d", "kernel_size", kernel_size)
+    strides = positive_pair("nn.conv2d", "stride", stride)
 
     def init(key, x):
         n_in, dt = x.shape[-1], _param_dtype(x, dtype)
