@@ -9,6 +9,7 @@ from . import inspect as inspect
 from . import nn as nn
 from . import train as train
 from ._autodiff import grad as grad
+from ._autodiff import init_hook_state as init_hook_state
 from ._autodiff import value_and_grad as value_and_grad
 from ._capture import CaptureSpec as CaptureSpec
 from ._capture import capture as capture
@@ -29,7 +30,7 @@ from ._hooks import hook_chain as hook_chain
 from ._host import on_host as on_host
 from ._records import Cotangents as Cotangents
 from ._records import Tangents as Tangents
-from ._slots import init_hook_state as init_hook_state
+from ._slots import HookState as HookState
 from ._transforms import AccumulateState as AccumulateState
 from ._transforms import AddNoiseState as AddNoiseState
 from ._transforms import EmaNormalizeState as EmaNormalizeState
@@ -51,6 +52,7 @@ __all__ = [
     "Cotangents",
     "EmaNormalizeState",
     "HookError",
+    "HookState",
     "HookTransform",
     "HostHookError",
     "NonFiniteError",

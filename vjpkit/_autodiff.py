@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from . import _context, _slots
+from . import _context, _engine, _slots
 from ._capture import as_specs
 from ._errors import ConfigError, SeedError
-from ._hooks import HookTransform
 
 
 def _describe_value(x: Any) -> str:
@@ -30,7 +30,7 @@ def _describe_value(x: Any) -> str:
     return f"an array of shape {tuple(shape)} and dtype {np.dtype(dtype).name}"
 
 
-def _scalar_loss(fun: Callable, has_aux: bool, transform: str, scope: _context.Scope | None) -> Callable:
+def _scalar_loss(fun: Callable, has_aux: bool, transform: str) -> Callable:
     """``fun`` with its output checked to be a scalar (and ``(scalar, aux)`` with has_aux)."""
     fname = getattr(fun, "__name__", "fun")
     fname = "fun" if fname == "<lambda>" else fname
@@ -38,8 +38,6 @@ def _scalar_loss(fun: Callable, has_aux: bool, transform: str, scope: _context.S
     @functools.wraps(fun)
     def checked(*args, **kwargs):
         out = fun(*args, **kwargs)
-        if scope is not None:
-            scope.check_matched()
         if has_aux:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise SeedError(
@@ -70,8 +68,14 @@ def _scalar_loss(fun: Callable, has_aux: bool, transform: str, scope: _context.S
     return checked
 
 
-def _has_slots(pairs, specs) -> bool:
-    return bool(specs) or any(isinstance(h, HookTransform) for _, hooks in pairs for h in hooks)
+def _argnums(argnums: Any, nargs: int, transform: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or not all(isinstance(i, int) and -nargs <= i < nargs for i in nums):
+        raise ConfigError(
+            f"{transform}: argnums={argnums!r} does not name positional arguments of a call with "
+            f"{nargs} of them."
+        )
+    return tuple(i % nargs for i in nums)
 
 
 def _transform(
@@ -82,57 +86,54 @@ def _transform(
     pairs = _context.normalize_hooks(hooks, name)
     specs = as_specs(capture, name)
     if not pairs and not specs:
-        return jax_transform(_scalar_loss(fun, has_aux, name, None), argnums=argnums, has_aux=has_aux)
+        return jax_transform(_scalar_loss(fun, has_aux, name), argnums=argnums, has_aux=has_aux)
     with_value = jax_transform is jax.value_and_grad
-    slotted = _has_slots(pairs, specs)
+    config = _context.Config(pairs, specs, name)
+    checked = _scalar_loss(fun, has_aux, name)
 
     @functools.wraps(fun)
     def hooked(*args, hook_state=None, **kwargs):
-        if hook_state is not None and not slotted:
-            raise ConfigError(
-                f"{name}: hook_state= was given, but no hook keeps state (no vk.HookTransform in hooks). "
-                "Drop hook_state=."
-            )
-        if not slotted:
-            scope = _context.Scope(pairs, transform=name)
-            inner = jax_transform(_scalar_loss(fun, has_aux, name, scope), argnums=argnums, has_aux=has_aux)
-            with _context.activate(scope):
-                return inner(*args, **kwargs)
+        nums = _argnums(argnums, len(args), name)
+        diff = [args[i] for i in nums]
+        _require_differentiable(diff, nums, name)
+        leaves, tree = jax.tree.flatten(diff)
 
-        config = dict(hooks=pairs, transform=name, capture=specs, hook_state=hook_state)
-        found = _context.Scope(mode="discover", **config)
-        shaped = jax_transform(_scalar_loss(fun, has_aux, name, found), argnums=argnums, has_aux=has_aux)
-        _slots.discover(found, lambda: shaped(*args, **kwargs))
-        if hook_state is not None and not found.states:
-            raise ConfigError(
-                f"{name}: hook_state= was given, but no hook on the layers called keeps state "
-                "(their vk.HookTransform states have no arrays). Drop hook_state=."
-            )
+        def flat(*leaves):
+            full = list(args)
+            for i, d in zip(nums, jax.tree.unflatten(tree, leaves)):
+                full[i] = d
+            out = checked(*full, **kwargs)
+            return (out[0], out[1]) if has_aux else (out, None)
 
-        scope = _context.Scope(mode="vjp", **config)
-        scope.slots, scope.dtypes, scope.states = found.slots, found.dtypes, found.states
-        checked = _scalar_loss(fun, has_aux, name, scope)
-
-        def with_probes(*args_and_probes, **kw):
-            *user_args, scope.probes = args_and_probes
-            return checked(*user_args, **kw)
-
-        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        inner = jax_transform(with_probes, argnums=(*nums, len(args)), has_aux=has_aux)
-        with _context.activate(scope):
-            out = inner(*args, _slots.probes(found), **kwargs)
+        traced = _engine.trace(config, flat, leaves)
+        config.check_matched(traced.plan.names)
+        value, aux, pullback = _engine.linearize(traced, leaves, hook_state)
+        g_leaves, captured, new_state = pullback([jnp.ones((), value.dtype)])
+        new_state = _slots.deliver(config, captured, new_state)
+        grads = jax.tree.unflatten(tree, g_leaves)
+        user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
-            value, grads = out
+            result = ((value, aux), user_grads) if has_aux else (value, user_grads)
         else:
-            grads, value = out if has_aux else (out, None)
-        user_grads = grads[0] if isinstance(argnums, int) else tuple(grads[:-1])
-        captured, new_state = _slots.read_out(scope, grads[-1])
-        result = (value, user_grads) if with_value else (user_grads, value) if has_aux else user_grads
+            result = (user_grads, aux) if has_aux else user_grads
         extras = ((captured,) if specs else ()) + ((new_state,) if hook_state is not None else ())
         return (result, *extras) if extras else result
 
-    hooked.__vjpkit__ = dict(fun=fun, hooks=pairs, capture=specs, transform=name)
+    hooked.__vjpkit__ = dict(fun=fun, config=config)
     return hooked
+
+
+def _require_differentiable(diff: Sequence, nums: Sequence[int], transform: str) -> None:
+    for i, value in zip(nums, diff):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            dtype = jnp.result_type(leaf)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                where = f"args[{i}]{jax.tree_util.keystr(path)}"
+                raise ConfigError(
+                    f"{transform}: {where} has dtype {np.dtype(dtype).name}, but it is differentiated "
+                    "(argnums), so it must be a float or complex array. Cast it "
+                    "(x.astype(jnp.float32)) or leave it out of argnums."
+                )
 
 
 def grad(
@@ -182,3 +183,41 @@ def value_and_grad(
         >>> (loss_value, grads) = vk.value_and_grad(loss, hooks={"fc*": vk.on_host(print)})(params, x, y)
     """
     return _transform(jax.value_and_grad, "vk.value_and_grad", fun, argnums, has_aux, hooks, capture)
+
+
+def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> _slots.HookState:
+    """The initial hook state of a vjpkit-transformed function, for ``hook_state=``.
+
+    Traces ``fn``'s forward pass once (no gradient is computed) and calls each stateful hook's
+    ``init`` with the params of each layer call it matches. A layer inside ``lax.scan`` has one
+    state, advanced once per iteration.
+
+    Args:
+        fn: the function returned by ``vk.grad`` / ``vk.value_and_grad`` with stateful hooks.
+        *args: example arguments, as ``fn`` will be called.
+        **kwargs: example arguments, as ``fn`` will be called.
+
+    Returns:
+        A ``vk.HookState``: ``state[call key]`` is that call's state (float arrays).
+
+    Examples:
+        >>> g = vk.value_and_grad(loss_fn, hooks={"conv*": vk.ema_normalize(0.9)})
+        >>> state = vk.init_hook_state(g, params, x, y)
+        >>> (loss, grads), state = jax.jit(g)(params, x, y, hook_state=state)
+    """
+    meta = getattr(fn, "__vjpkit__", None)
+    if meta is None:
+        raise ConfigError(
+            "vk.init_hook_state takes the function returned by vk.grad / vk.value_and_grad "
+            f"(with hooks=...), got {getattr(fn, '__name__', type(fn).__name__)}."
+        )
+    config, fun = meta["config"], meta["fun"]
+    leaves, tree = jax.tree.flatten(args)
+
+    def flat(*leaves):
+        a = jax.tree.unflatten(tree, leaves)
+        return fun(*a, **kwargs), None
+
+    traced = _engine.trace(config, flat, leaves)
+    forward = _engine.forward_values(traced, leaves)
+    return _slots.init_states(traced.plan, forward)

@@ -1,10 +1,21 @@
-"""Trace-time state: layer names, call counters and the active hook scope.
+"""Trace-time state: the hook configuration, layer names and what JAX may reuse.
 
-Contract: a ``Scope`` exists only while a vjpkit transform (``vk.grad``, ...) traces the
-function it was given. Outside one, ``current`` is ``None`` and layers are plain functions.
-Layer names come from ``name_scope``, which combinators push around their children; the
-full name joins the stack with ``/``. Hook configuration lives in the scope, which belongs to
-one transformed function: nothing here is global configuration, only a thread-local stack.
+Contract:
+
+* ``Config`` is the immutable hook configuration of one transformed function (``vk.grad(...,
+  hooks=..., capture=...)`` makes one when it is called, not per call). Its ``token`` is unique
+  for the life of the process.
+* A *scope* is active only while a vjpkit transform traces the user's function. Two kinds:
+  ``LAYERS`` (the reverse-mode transforms: every layer call becomes one ``vjpkit_layer``
+  equation, whatever the hooks, so the trace does not depend on the configuration) and a
+  ``TangentScope`` (forward-mode hooks of ``vk.jvp``, which route hooked layers directly).
+  Outside a scope ``current()`` is ``None`` and layers are plain functions.
+* Layer names come from ``name_scope``, which combinators push around their children; the full
+  name joins the stack with ``/``.
+* Trace identity: JAX caches the traces of inner ``jax.jit`` / ``jax.checkpoint`` / ``lax.cond``
+  functions by function and argument types, plus a user context value set here: the active
+  scope's token and the current name path. A trace made under one scope (or one name prefix)
+  is never replayed under another or under none, and the same scope and path reuse theirs.
 """
 
 from __future__ import annotations
@@ -20,9 +31,9 @@ from typing import Any
 import jax
 
 from ._errors import ConfigError
-from ._records import call_key
 
 _local = threading.local()
+_tokens = itertools.count(1)
 
 
 def _stack(attr: str) -> list:
@@ -31,101 +42,82 @@ def _stack(attr: str) -> list:
     return getattr(_local, attr)
 
 
-@dataclasses.dataclass
-class Scope:
-    """Hooks of one vjpkit transform, and what its trace has seen so far.
+def new_token() -> int:
+    """A number never handed out before in this process (``id()`` values can be reused)."""
+    return next(_tokens)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Config:
+    """The hook configuration of one transformed function (immutable).
 
     Attributes:
         hooks: ``(glob, (hook, ...))`` pairs, in the user's order.
-        transform: the public name of the transform, for error messages.
-        mode: ``"vjp"`` (reverse-mode hooks get ``Cotangents``), ``"jvp"`` (forward-mode
-            hooks get ``Tangents``), ``"discover"`` (a shape-only trace that fills
-            ``slots`` and ``states``) or ``"init"`` (a forward pass that fills ``states``).
         capture: capture specs (``vjpkit._capture.CaptureSpec``).
-        hook_state: the user's hook state, ``{call key: state}``, or ``None``.
-        probes: ``{call key: probe}``: the zero arrays whose cotangents carry captured records
-            and new hook states out of the backward pass.
-        slots: filled by discovery: ``{call key: shape tree of the probe}``.
-        states: filled by discovery and init: ``{call key: initial hook state}``.
-        dtypes: filled by discovery: the dtypes of each captured record, to undo ``carry``.
-        calls: the number of calls seen per layer name in this forward pass.
-        keys: call keys (``name`` or ``name#k``) in forward order.
-        matched: the globs that matched at least one layer.
+        transform: the public name of the transform, for error messages.
+        token: unique per configuration, for JAX's trace caches.
     """
 
-    hooks: Sequence[tuple[str, tuple[Callable, ...]]]
+    hooks: tuple[tuple[str, tuple[Callable, ...]], ...] = ()
+    capture: tuple[Any, ...] = ()
     transform: str = "vk.grad"
-    mode: str = "vjp"
-    capture: Sequence[Any] = ()
-    hook_state: dict[str, Any] | None = None
-    probes: dict[str, Any] = dataclasses.field(default_factory=dict)
-    slots: dict[str, Any] = dataclasses.field(default_factory=dict)
-    states: dict[str, Any] = dataclasses.field(default_factory=dict)
-    dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
-    calls: dict[str, int] = dataclasses.field(default_factory=dict)
-    keys: list[str] = dataclasses.field(default_factory=list)
-    matched: set[str] = dataclasses.field(default_factory=set)
-
-    def register(self, name: str) -> int:
-        """Counts one call of layer ``name`` and returns its call index."""
-        call = self.calls.get(name, 0)
-        self.calls[name] = call + 1
-        self.keys.append(call_key(name, call))
-        return call
-
-    def capture_for(self, name: str) -> Any:
-        """The first capture spec whose globs match ``name``, or ``None``."""
-        for spec in self.capture:
-            if spec.matches(name):
-                self.matched.update(g for g in spec.layers if fnmatch.fnmatchcase(name, g))
-                return spec
-        return None
+    token: int = dataclasses.field(default_factory=new_token)
 
     def hooks_for(self, name: str) -> tuple[Callable, ...]:
         """All hooks whose glob matches ``name``, in the order they were given."""
-        found: list[Callable] = []
-        for glob, hooks in self.hooks:
-            if fnmatch.fnmatchcase(name, glob):
-                self.matched.add(glob)
-                found.extend(hooks)
-        return tuple(found)
+        return tuple(h for glob, hooks in self.hooks if fnmatch.fnmatchcase(name, glob) for h in hooks)
 
-    def check_matched(self) -> None:
-        """Raises if a glob matched no layer call of the traced function."""
-        missing = [glob for glob, _ in self.hooks if glob not in self.matched]
-        missing += [g for spec in self.capture for g in spec.layers if g not in self.matched]
+    def capture_for(self, name: str) -> Any:
+        """The first capture spec whose globs match ``name``, or ``None``."""
+        return next((spec for spec in self.capture if spec.matches(name)), None)
+
+    def check_matched(self, names: Sequence[str]) -> None:
+        """Raises if a glob matched none of the layer ``names`` called in the traced function."""
+        globs = [glob for glob, _ in self.hooks] + [g for spec in self.capture for g in spec.layers]
+        missing = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in names)]
         if not missing:
             return
-        names = sorted(set(self.calls))
-        available = ", ".join(repr(n) for n in names) if names else "none: no vjpkit layer ran"
+        unique = sorted(set(names))
+        available = ", ".join(repr(n) for n in unique) if unique else "none: no vjpkit layer ran"
         raise ConfigError(
-            f"{self.transform}: the hook or capture glob(s) {', '.join(map(repr, missing))} "
+            f"{self.transform}: the hook or capture glob(s) {', '.join(map(repr, dict.fromkeys(missing)))} "
             "matched no layer. "
             f"Layers called in this forward pass: {available}. Globs use fnmatch syntax on the full "
             "layer path (for example 'fc*', 'block1/*' or '*/conv1'); fix or remove the glob."
         )
 
 
-def current() -> Scope | None:
-    """The innermost active scope, or ``None`` outside vjpkit transforms."""
+class _Layers:
+    """The scope of a reverse-mode trace: every layer call becomes a ``vjpkit_layer`` equation."""
+
+    mode = "layers"
+    token = "layers"
+
+
+LAYERS = _Layers()
+
+
+def current() -> Any:
+    """The innermost active scope (``LAYERS`` or a ``TangentScope``), or ``None``."""
     scopes = _stack("scopes")
     return scopes[-1] if scopes else None
 
 
-# JAX caches the traces of inner ``jax.jit``/``jax.checkpoint``/``lax.cond`` functions by function
-# and argument types. Hooks are decided at trace time, so each scope gets its own token in JAX's
-# trace-cache key: a trace made under one scope is never replayed under another, or without one.
 _cache_token = jax.make_user_context(default_value=None)
-_scope_ids = itertools.count(1)
+
+
+def _identity() -> Any:
+    scope = current()
+    return None if scope is None else (scope.token, tuple(_stack("path")))
 
 
 @contextlib.contextmanager
-def activate(scope: Scope | None) -> Iterator[Scope | None]:
+def activate(scope: Any) -> Iterator[Any]:
     """Makes ``scope`` current for the duration (``None`` suspends every scope)."""
     scopes = _stack("scopes")
     scopes.append(scope)
     try:
-        with _cache_token(None if scope is None else next(_scope_ids)):
+        with _cache_token(_identity()):
             yield scope
     finally:
         scopes.pop()
@@ -137,7 +129,8 @@ def name_scope(name: str) -> Iterator[None]:
     path = _stack("path")
     path.append(name)
     try:
-        yield
+        with _cache_token(_identity()):
+            yield
     finally:
         path.pop()
 

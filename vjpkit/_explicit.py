@@ -35,12 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _context, _hooks, _slots
+from . import _context, _engine, _hooks, _slots
 from ._autodiff import grad as _vk_grad
 from ._capture import as_specs
 from ._check import check_like, spec
 from ._errors import ConfigError, SeedError
-from ._jvp_rule import forward_mode_error
+from ._jvp_rule import TangentScope
 from ._records import _describe
 
 SEED_SENTENCE = (
@@ -223,42 +223,27 @@ def _require_float(tree: Any, what: str, transform: str) -> None:
             )
 
 
-def _last_key(scope: _context.Scope | None) -> str | None:
-    return scope.keys[-1] if scope is not None and scope.keys else None
-
-
 @contextlib.contextmanager
-def _hook_scope(pairs: tuple, transform: str, mode: str) -> Iterator[None]:
-    """Opens a ``mode`` hook scope when ``pairs`` is non-empty, and makes failures clear.
+def _tangent_scope(pairs: tuple, transform: str) -> Iterator[None]:
+    """Opens a forward-mode hook scope when ``pairs`` is non-empty.
 
-    A forward-mode transform run inside an active reverse-mode hook scope works only for layers
-    that are not hooked; giving it hooks of its own there is refused (they would shadow the
-    outer ones).
+    A forward-mode transform with hooks inside a reverse-mode vjpkit transform is refused: its
+    layers are already marked for the outer transform, whose hooks would not see them.
     """
+    if not pairs:
+        yield
+        return
     outer = _context.current()
-    if mode == "jvp" and pairs and outer is not None and outer.mode != "jvp":
+    if outer is not None and outer.mode != "jvp":
         raise ConfigError(
-            f"{transform} with hooks was called inside {outer.transform} with hooks. Nested hooked "
-            f"transforms would hide {outer.transform}'s hooks from these layers. Apply {transform} "
-            f"outside {outer.transform} (forward over reverse), or drop one set of hooks."
+            f"{transform} with hooks was called inside a vjpkit reverse-mode transform with hooks. "
+            f"Nested hooked transforms would hide the outer transform's hooks from these layers. "
+            f"Apply {transform} outside it (forward over reverse), or drop one set of hooks."
         )
-    scope = _context.Scope(pairs, transform=transform, mode=mode) if pairs else None
-    try:
-        if scope is None:
-            yield
-        else:
-            with _context.activate(scope):
-                yield
-    except (TypeError, NotImplementedError) as err:
-        failing = scope if scope is not None else outer
-        new = forward_mode_error(
-            err, failing.transform if failing is not None else transform, _last_key(failing)
-        )
-        if new is None:
-            raise
-        raise new from err
-    if scope is not None:
-        scope.check_matched()
+    scope = TangentScope(_context.Config(pairs, (), transform))
+    with _context.activate(scope):
+        yield
+    scope.config.check_matched(scope.names)
 
 
 def _prepare_hooks(hooks: Any, transform: str, mode: str) -> tuple:
@@ -336,62 +321,46 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
     _check_callable(fun, "vk.vjp")
     pairs = _prepare_hooks(hooks, "vk.vjp", "vjp")
     specs = as_specs(capture, "vk.vjp")
-    if specs:
-        return _captured_vjp(fun, primals, has_aux, pairs, specs)
-    with _hook_scope(pairs, "vk.vjp", "vjp"):
-        result = jax.vjp(_aux_checked(fun, has_aux, "vk.vjp"), *primals, has_aux=has_aux)
-    out, jax_pullback = result[0], result[1]
+    f = _aux_checked(fun, has_aux, "vk.vjp")
+    if not pairs and not specs:
+        result = jax.vjp(f, *primals, has_aux=has_aux)
+        out, pull = result[0], result[1]
+    else:
+        out, pull, aux = _hooked_vjp(f, primals, has_aux, _context.Config(pairs, specs, "vk.vjp"))
+        result = (out, pull, aux)
     hint = SEED_SENTENCE
     if not has_aux and isinstance(out, tuple) and len(out) == 2:
         hint += " If fun returns (out, aux), pass has_aux=True."
     checker = _Checked.make(_specs(out), what="vk.vjp pullback: the seed", hint=hint, star_args=False)
-    pullback = jax.tree_util.Partial(checker, jax_pullback)
+    pullback = jax.tree_util.Partial(checker, pull)
     return (out, pullback, result[2]) if has_aux else (out, pullback)
 
 
-def _zero_seed(spec: jax.ShapeDtypeStruct) -> Any:
-    if jnp.issubdtype(spec.dtype, jnp.inexact):
-        return jnp.zeros(spec.shape, spec.dtype)
-    return np.zeros(spec.shape, jax.dtypes.float0)
-
-
-def _captured_vjp(fun: Callable, primals: tuple, has_aux: bool, pairs: tuple, specs: tuple):
-    """``vjp`` with ``capture``: a shape-only discovery trace, then the vjp with probes."""
-    if any(spec.host is not None and spec.host.every > 1 for spec in specs):
+def _hooked_vjp(f: Callable, primals: tuple, has_aux: bool, config: _context.Config):
+    """``(out, pull, aux)`` through the engine; ``pull(seed)`` is a pytree (``Partial``)."""
+    if any(spec.host is not None and spec.host.every > 1 for spec in config.capture):
         raise ConfigError(
             "vk.vjp: capture host delivery with every > 1 needs a step counter in hook state, which "
             "vk.vjp does not thread. Use every=1 here, or vk.grad / vk.value_and_grad with hook_state=."
         )
-    f = _aux_checked(fun, has_aux, "vk.vjp")
-    found = _context.Scope(pairs, transform="vk.vjp", mode="discover", capture=specs)
+    leaves, tree = jax.tree.flatten(primals)
 
-    def trace():
-        result = jax.vjp(f, *primals, has_aux=has_aux)
-        return result[1](jax.tree.map(_zero_seed, _specs(result[0])))
+    def flat(*leaves):
+        out = f(*jax.tree.unflatten(tree, leaves))
+        return (out[0], out[1]) if has_aux else (out, None)
 
-    _slots.discover(found, trace)
-    found.check_matched()
-    scope = _context.Scope(pairs, transform="vk.vjp", mode="vjp", capture=specs)
-    scope.slots, scope.dtypes, scope.states = found.slots, found.dtypes, found.states
+    traced = _engine.trace(config, flat, leaves)
+    config.check_matched(traced.plan.names)
+    out, aux, pull = _engine.linearize(traced, leaves, None)
+    wrapped = jax.tree_util.Partial(functools.partial(_pull, config, tree), pull)
+    return out, wrapped, aux
 
-    def with_probes(*args):
-        *user, scope.probes = args
-        return f(*user)
 
-    with _context.activate(scope):
-        result = jax.vjp(with_probes, *primals, _slots.probes(found), has_aux=has_aux)
-    out, jax_pullback = result[0], result[1]
-
-    def pullback_with_capture(seed):
-        cotangents = jax_pullback(seed)
-        captured, _ = _slots.read_out(scope, cotangents[-1])
-        return tuple(cotangents[:-1]), captured
-
-    checker = _Checked.make(
-        _specs(out), what="vk.vjp pullback: the seed", hint=SEED_SENTENCE, star_args=False
-    )
-    pullback = functools.partial(checker, pullback_with_capture)
-    return (out, pullback, result[2]) if has_aux else (out, pullback)
+def _pull(config: _context.Config, tree: Any, pull: Callable, seed: Any) -> Any:
+    g_leaves, captured, _ = pull(jax.tree.leaves(seed))
+    _slots.deliver(config, captured, None)
+    grads = tuple(jax.tree.unflatten(tree, g_leaves))
+    return (grads, captured) if config.capture else grads
 
 
 def jvp(
@@ -429,7 +398,7 @@ def jvp(
     tangents = _as_tuple(tangents, "tangents", "vk.jvp", example)
     tangents = check_cast(_specs(primals), tangents, what="vk.jvp: tangents", hint=TANGENT_SENTENCE)
     pairs = _prepare_hooks(hooks, "vk.jvp", "jvp")
-    with _hook_scope(pairs, "vk.jvp", "jvp"):
+    with _tangent_scope(pairs, "vk.jvp"):
         return jax.jvp(_aux_checked(fun, has_aux, "vk.jvp"), primals, tangents, has_aux=has_aux)
 
 
@@ -450,7 +419,7 @@ def linearize(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict |
     """
     _check_callable(fun, "vk.linearize")
     pairs = _prepare_hooks(hooks, "vk.linearize", "jvp")
-    with _hook_scope(pairs, "vk.linearize", "jvp"):
+    with _tangent_scope(pairs, "vk.linearize"):
         result = jax.linearize(_aux_checked(fun, has_aux, "vk.linearize"), *primals, has_aux=has_aux)
     out, jax_f_jvp = result[0], result[1]
     checker = _Checked.make(
@@ -548,15 +517,51 @@ def jacobian(
             f"(forward mode, one JVP per input element), got {mode!r}."
         )
     pairs = _prepare_hooks(hooks, "vk.jacobian", "vjp" if mode == "rev" else "jvp")
-    jax_transform = jax.jacrev if mode == "rev" else jax.jacfwd
-    inner = jax_transform(_aux_checked(fun, has_aux, "vk.jacobian"), argnums=argnums, has_aux=has_aux)
+    f = _aux_checked(fun, has_aux, "vk.jacobian")
+    if mode == "fwd" or not pairs:
+        inner = (jax.jacrev if mode == "rev" else jax.jacfwd)(f, argnums=argnums, has_aux=has_aux)
+    else:
+        inner = functools.partial(_hooked_jacrev, f, argnums, has_aux, pairs)
 
     @functools.wraps(fun)
     def jac(*args):
         for i in (argnums,) if isinstance(argnums, int) else tuple(argnums):
             if -len(args) <= i < len(args):
                 _require_float(args[i], f"argument {i}", "vk.jacobian")
-        with _hook_scope(pairs, "vk.jacobian", "vjp" if mode == "rev" else "jvp"):
+        with _tangent_scope(pairs if mode == "fwd" else (), "vk.jacobian"):
             return inner(*args)
 
     return jac
+
+
+def _hooked_jacrev(f: Callable, argnums: Any, has_aux: bool, pairs: tuple, *args: Any) -> Any:
+    """``jax.jacrev`` through the engine: one hooked pullback per output element, vmapped."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    nums = tuple(i % len(args) for i in nums)
+
+    def g(*diff):
+        full = list(args)
+        for i, d in zip(nums, diff):
+            full[i] = d
+        return f(*full)
+
+    out, pull, aux = _hooked_vjp(
+        g, tuple(args[i] for i in nums), has_aux, _context.Config(pairs, (), "vk.jacobian")
+    )
+    leaves, out_def = jax.tree.flatten(out)
+    sizes = [int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves]
+    total = sum(sizes)
+    offsets = np.cumsum([0, *sizes])
+    seeds = [
+        jnp.eye(total, dtype=x.dtype)[:, offsets[j] : offsets[j + 1]].reshape(total, *np.shape(x))
+        for j, x in enumerate(leaves)
+    ]
+    rows = jax.vmap(lambda *s: pull(jax.tree.unflatten(out_def, s)))(*seeds)
+    per_leaf = [
+        jax.tree.map(
+            lambda r, j=j, x=x: r[offsets[j] : offsets[j + 1]].reshape(*np.shape(x), *r.shape[1:]), rows
+        )
+        for j, x in enumerate(leaves)
+    ]
+    jac = jax.tree.unflatten(out_def, [p[0] if isinstance(argnums, int) else p for p in per_leaf])
+    return (jac, aux) if has_aux else jac

@@ -92,6 +92,40 @@ def is_stateful(state: Any) -> bool:
     return bool(jax.tree.leaves(state))
 
 
+def state_avals(hooks: Sequence[Callable], params: Any) -> Any:
+    """The shapes of one call's hook state from its params' shapes; ``None`` when stateless."""
+    if not _transforms(hooks):
+        return None
+    avals = jax.eval_shape(lambda p: init_state(hooks, p), params)
+    return avals if is_stateful(avals) else None
+
+
+_FIELDS = ("params", "input", "output", "grad_output", "grad_input", "grad_params")
+
+
+def _snapshot(rec: Cotangents) -> dict:
+    def ids(tree):
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+        return treedef, [id(x) for x in leaves]
+
+    return {field: ids(getattr(rec, field)) for field in _FIELDS}
+
+
+def _check_untouched(rec: Cotangents, before: dict, hook: Callable) -> None:
+    """Raises if ``hook`` changed ``rec`` in place (records are read-only)."""
+    after = _snapshot(rec)
+    changed = [field for field in _FIELDS if after[field] != before[field]]
+    if not changed:
+        return
+    field = changed[0]
+    raise HookError(
+        f"hook {hook_name(hook)} on layer {rec.name!r} (call {rec.call}) changed field {field!r} of the "
+        f"record in place (for example rec.{field}['weight'] = ...). Records are read-only: an in-place "
+        "write would skip the checks on structure, shape and dtype. Return a changed copy instead: "
+        f"return rec.replace({field}={{**rec.{field}, 'weight': new_value}})."
+    )
+
+
 def check_float_state(state: Any, key: str) -> None:
     """Raises unless every leaf of a layer's hook state is a floating-point array."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -155,9 +189,13 @@ def validate(rec: Cotangents, new: Any, hook: Callable) -> Cotangents:
 def run(rec: Cotangents, hooks: Sequence[Callable], state: Any) -> tuple[Cotangents, Any]:
     """Applies ``hooks`` in order; returns the final record and the layer's new state."""
     transforms = _transforms(hooks)
+    stateless = state is None
+    if stateless:
+        state = init_state(hooks, rec.params)
     states = list((state,) if len(transforms) == 1 else state) if transforms else []
     new_states = []
     for hook in hooks:
+        before = _snapshot(rec)
         with _context.activate(None):  # hooks may call layers: those are plain calls
             if isinstance(hook, HookTransform):
                 old = states[len(new_states)]
@@ -172,7 +210,10 @@ def run(rec: Cotangents, hooks: Sequence[Callable], state: Any) -> tuple[Cotange
                 new_states.append(new)
             else:
                 out = hook(rec)
+        _check_untouched(rec, before, hook.update if isinstance(hook, HookTransform) else hook)
         rec = validate(rec, out, hook.update if isinstance(hook, HookTransform) else hook)
+    if stateless:
+        return rec, None
     if not transforms:
         return rec, ()
     return rec, new_states[0] if len(new_states) == 1 else tuple(new_states)

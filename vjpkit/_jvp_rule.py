@@ -1,7 +1,7 @@
 """The custom_jvp rule that turns one layer call into a ``Tangents`` record.
 
-Contract: ``hooked_call`` is what ``vjpkit._rule.call`` runs for a hooked layer when the
-active scope has ``mode == "jvp"`` (inside ``vk.jvp``, ``vk.linearize`` and
+Contract: ``hooked_call`` is what ``vjpkit._rule.call`` runs for a layer when the
+active scope is a ``TangentScope`` (inside ``vk.jvp``, ``vk.linearize`` and
 ``vk.jacobian(mode="fwd")``). It routes the call through a private ``jax.custom_jvp`` whose rule
 
 * runs ``jax.jvp`` over the leaves whose tangent is not a symbolic zero
@@ -16,8 +16,6 @@ A layer call that no tangent reaches (all tangents zero) is a plain call and fir
 Keyword arguments that are arrays (a dropout key) are passed through the rule with a zero
 tangent; all other keyword arguments are static.
 
-This module also owns ``forward_mode_error``, which turns JAX's bare message for
-forward-mode autodiff of a hooked (custom_vjp) layer into a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -35,42 +33,26 @@ from ._hooks import hook_name
 from ._records import Tangents
 from ._trees import merge, scatter, select, split_kwargs
 
-_FORWARD_MODE_MESSAGES = (
-    "can't apply forward-mode autodiff (jvp) to a custom_vjp function",
-    "Differentiation rule for 'custom_lin' not implemented",
-)
 
+class TangentScope:
+    """The scope of a forward-mode trace with hooks: hooked layers go through ``hooked_call``.
 
-def forward_mode_error(err: BaseException, transform: str, layer: str | None = None) -> ConfigError | None:
-    """The vjpkit error for JAX's forward-mode-of-custom_vjp failure, or ``None`` for others.
-
-    ``jax.jvp``, ``jax.jacfwd`` or ``jax.linearize`` applied *inside* a function traced by a
-    hooked reverse-mode transform reach a layer that is a custom_vjp rule, which JAX can only
-    differentiate in reverse mode (forward over reverse, as in ``jax.hessian``, works).
-
-    Args:
-        err: the exception JAX raised.
-        transform: the public name of the hooked transform (``"vk.grad"``, ``"vk.vjp"``, ...).
-        layer: the key of the layer call that failed, when known.
-
-    Examples:
-        >>> try:
-        ...     out = vk.grad(loss_with_inner_jvp, hooks={"fc*": hook})(params)
-        ... except Exception as err:
-        ...     new = forward_mode_error(err, "vk.grad")
+    Attributes:
+        config: the hook configuration (``vjpkit._context.Config``).
+        names: layer names called so far, in forward order (for ``check_matched``).
     """
-    if not any(message in str(err) for message in _FORWARD_MODE_MESSAGES):
-        return None
-    where = f"layer {layer!r}" if layer else "a hooked layer"
-    return ConfigError(
-        f"{transform} with hooks: forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize or vk.jvp) "
-        f"reached {where} inside the function {transform} differentiates. "
-        f"Inside {transform}'s hooks scope a hooked layer is a reverse-mode rule (custom_vjp), so "
-        "it has no forward mode. Use one of: reverse mode inside (jax.jacrev, jax.grad or vk.vjp "
-        f"in place of jax.jacfwd or jax.jvp); forward mode outside ({transform} first, then "
-        f"jax.jvp or jax.jacfwd of the result: forward-over-reverse, as vk.hvp does); or hook "
-        "globs that do not match the layers inside the forward-mode transform."
-    )
+
+    mode = "jvp"
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.token = config.token
+        self.names: list[str] = []
+
+    def register(self, name: str) -> int:
+        """Counts one call of layer ``name`` and returns its call index."""
+        self.names.append(name)
+        return self.names.count(name) - 1
 
 
 def _is_zero(t: Any) -> bool:
@@ -121,19 +103,17 @@ def _apply_hooks(rec: Tangents, hooks: Sequence[Callable]) -> Tangents:
 
 
 def hooked_call(
-    fn: Callable,
-    name: str,
-    index: int,
-    hooks: Sequence[Callable],
-    params: Any,
-    inputs: tuple,
-    kwargs: dict,
+    scope: TangentScope, fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict
 ) -> Any:
-    """Applies ``fn(params, *inputs, **kwargs)`` as hooked layer call ``name`` (call ``index``).
+    """Applies ``fn(params, *inputs, **kwargs)`` as layer call ``name`` of a forward-mode trace.
 
     Examples:
-        >>> out = hooked_call(dense_fn, "fc1", 0, (vk.on_host(print),), params, (x,), {})
+        >>> out = hooked_call(scope, dense_fn, "fc1", params, (x,), {})
     """
+    index = scope.register(name)
+    hooks = scope.config.hooks_for(name)
+    if not hooks:
+        return fn(params, *inputs, **kwargs)
     dynamic_kw, static_kw = split_kwargs(kwargs)
     single = len(inputs) == 1
 

@@ -1,20 +1,24 @@
-"""The custom_vjp rule that turns one layer call into a ``Cotangents`` record.
+"""The custom_vjp rule that turns one active layer call into a ``Cotangents`` record.
 
-Contract: ``call`` is what every layer's ``apply`` runs. Outside a vjpkit transform, or
-when no hook or capture spec matches the layer, it is exactly ``fn(params, *inputs, **kwargs)``.
-Otherwise it routes the call through a private ``jax.custom_vjp`` whose
+Contract: ``call`` is what every layer's ``apply`` runs. Outside a vjpkit transform it is
+exactly ``fn(params, *inputs, **kwargs)``; inside a reverse-mode one it binds the call as one
+``vjpkit_layer`` equation (``_primitive``); inside ``vk.jvp`` with hooks it goes through the
+custom_jvp rule of ``_jvp_rule``.
 
-* fwd runs ``jax.vjp`` over the *perturbed* leaves only (``symbolic_zeros=True``), keeping
-  the vjp function as the residual, so nothing is recomputed and cotangents of inputs that
-  need no gradient are never computed;
-* bwd builds the record, runs the hooks (``_hooks.run``: checked replacements, new states),
-  and returns the (possibly replaced) ``grad_params`` and ``grad_input`` upstream. When the
-  call has a *slot* (it is captured or its hooks keep state), bwd also returns, as the
-  cotangent of a zero "probe" argument, ``{"captured": record, "state": new state, "ran": 1}``;
-  the transform reads these out as the gradient with respect to the probes.
+``hooked`` is what the engine runs for an active call. Its private ``jax.custom_vjp``
 
-Keyword arguments that are arrays (a dropout key) are passed through the rule as
-non-differentiable operands; all other keyword arguments are static.
+* fwd runs ``jax.vjp`` over the *perturbed* operands only (``symbolic_zeros=True``) and keeps
+  the vjp function, the forward values and the perturbation mask as residuals (the mask as
+  pytree metadata), so nothing is recomputed and nothing is kept on the side;
+* bwd builds the record (``grad_input`` / ``grad_params`` leaves follow the plan's static
+  flags: ``None`` where no gradient can flow, zeros where JAX proved one is zero), runs the
+  hooks (``_hooks.run``: checked replacements, the new state), and returns the (possibly
+  replaced) cotangents upstream, the captured record as the probe's cotangent, and the new
+  hook state as the cotangent of the state operand. A call whose output cotangent is zero
+  (the loss does not depend on it) makes no record and runs no hook.
+
+Array keyword arguments and values the layer's function closed over are operands that get
+gradients; they are not part of the record.
 """
 
 from __future__ import annotations
@@ -26,10 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _context, _hooks, _slots
-from ._capture import reduce_record
-from ._records import Cotangents, call_key
-from ._trees import merge, scatter, select, split_kwargs, unwrap
+from . import _context, _hooks, _primitive, _slots
+from ._records import Cotangents
+from ._trees import Static, merge, select, unwrap
 
 
 def call(fn: Callable, params: Any, inputs: tuple, kwargs: dict, default_name: str) -> Any:
@@ -38,139 +41,106 @@ def call(fn: Callable, params: Any, inputs: tuple, kwargs: dict, default_name: s
     if scope is None:
         return fn(params, *inputs, **kwargs)
     name = _context.layer_path(default_name)
-    index = scope.register(name)
-    hooks = scope.hooks_for(name)
-    spec = scope.capture_for(name)
-    if not hooks and spec is None:
-        return fn(params, *inputs, **kwargs)
     if scope.mode == "jvp":
         from ._jvp_rule import hooked_call as jvp_hooked_call
 
-        return jvp_hooked_call(fn, name, index, hooks, params, inputs, kwargs)
-    key = call_key(name, index)
-    if scope.mode == "init":
-        state = _hooks.init_state(hooks, params)
-        if _hooks.is_stateful(state):
-            scope.states[key] = state
-        return fn(params, *inputs, **kwargs)
-    state = _layer_state(scope, key, hooks, params)
-    try:
-        return _hooked_call(fn, scope, key, name, index, hooks, spec, state, params, inputs, kwargs)
-    except (TypeError, NotImplementedError) as err:
-        from ._jvp_rule import forward_mode_error
-
-        clear = forward_mode_error(err, scope.transform, key)
-        if clear is None:
-            raise
-        raise clear from err
+        return jvp_hooked_call(scope, fn, name, params, inputs, kwargs)
+    return _primitive.bind(fn, name, params, inputs, kwargs)
 
 
-def _layer_state(scope: _context.Scope, key: str, hooks: Sequence[Callable], params: Any) -> Any:
-    """The hook state this call starts from: the user's, or ``init``'s when it has no leaves."""
-    if not any(isinstance(h, _hooks.HookTransform) for h in hooks):
-        return ()
-    state = _hooks.init_state(hooks, params)
-    if not _hooks.is_stateful(state):
-        return state
-    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-    if scope.mode == "discover":
-        _hooks.check_float_state(spec, key)
-        scope.states[key] = spec
-    return _slots.check_user_state(scope, key, spec)
+def _zeros(aval: Any) -> Any:
+    if jnp.issubdtype(aval.dtype, jnp.inexact):
+        return jnp.zeros(aval.shape, aval.dtype)
+    return jnp.zeros(aval.shape, jax.dtypes.float0)
 
 
-def _instantiate(g: Any) -> Any:
-    return jax.tree.map(
-        lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, SymbolicZero) else x,
-        g,
-        is_leaf=lambda x: isinstance(x, SymbolicZero),
+def _instantiate(cts: Sequence, avals: Sequence) -> list:
+    return [_zeros(a) if isinstance(c, SymbolicZero) or c is None else c for c, a in zip(cts, avals)]
+
+
+def _record(site: Any, ops: Sequence, outs: Sequence, g_outs: Sequence, grads: Sequence) -> Cotangents:
+    """The record of ``site`` from flat forward values and flat operand cotangents."""
+    _, (params, inputs, _) = site.split(ops)
+    _, (g_params, g_inputs, _) = site.split(grads)
+    out_tree = site.eqn.params["out_tree"]
+    single = len(inputs) == 1
+    g_out = [g if jnp.issubdtype(o.dtype, jnp.inexact) else None for g, o in zip(g_outs, outs)]
+    shape = site.record
+    return Cotangents(
+        name=site.name,
+        call=site.call,
+        params=params,
+        input=inputs[0] if single else inputs,
+        output=jax.tree.unflatten(out_tree, list(outs)),
+        grad_output=jax.tree.unflatten(out_tree, g_out),
+        grad_input=None if shape.grad_input is None else g_inputs[0] if single else g_inputs,
+        grad_params=None if shape.grad_params is None else g_params,
     )
 
 
-def carry(tree: Any) -> Any:
-    """Non-float leaves as float32, so they can travel as cotangents (cast back afterwards)."""
-    return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jnp.inexact) else a.astype(jnp.float32), tree)
-
-
-def _hooked_call(
-    fn: Callable,
-    scope: _context.Scope,
-    key: str,
-    name: str,
-    index: int,
-    hooks: Sequence[Callable],
-    spec: Any,
+def hooked(
+    site: Any,
+    run_inner: Callable,
+    ops: Sequence,
+    probe: Any,
     state: Any,
-    params: Any,
-    inputs: tuple,
-    kwargs: dict,
-) -> Any:
-    dynamic_kw, static_kw = split_kwargs(kwargs)
-    single = len(inputs) == 1
-    stateful = _hooks.is_stateful(state)
-    has_slot = spec is not None or stateful
-    probe = scope.probes.get(key) if scope.mode == "vjp" else None
-    facts: dict[str, Any] = {}  # static facts from fwd, read by bwd of the same call
+    nested_probes: dict,
+    nested_states: dict,
+) -> tuple[list, Any, dict]:
+    """Evaluates ``site`` through its rule; returns ``(outputs, new state, nested states)``."""
+    in_avals = [v.aval for v in site.eqn.invars]
+    out_avals = [v.aval for v in site.eqn.outvars]
+    static_flags = site.flags
 
-    def plain(p, xs, kw, extra):
-        del extra
-        return fn(p, *xs, **kw, **static_kw)
+    def primal(ops, probe, state, npr, nst):
+        del probe
+        outs, nst = run_inner(list(ops), npr, nst)
+        return outs, state, nst
 
-    rule = jax.custom_vjp(plain)
+    rule = jax.custom_vjp(primal)
 
-    def fwd(p, xs, kw, extra):
-        p_val, p_mask = unwrap(p)
-        x_val, x_mask = unwrap(xs)
-        kw_val, _ = unwrap(kw)
-        extra_val, _ = unwrap(extra)
-        _, probe_mask = unwrap(extra["probe"])
-        p_leaves, p_def = jax.tree.flatten(p_val)
-        x_leaves, x_def = jax.tree.flatten(x_val)
+    def fwd(ops, probe, state, npr, nst):
+        del probe
+        ops_v, mask = unwrap(ops)
+        state_v, _ = unwrap(state)
+        npr_v, _ = unwrap(npr)
+        nst_v, _ = unwrap(nst)
 
-        def diff_part(p_diff, x_diff):
-            p_full = jax.tree.unflatten(p_def, merge(p_leaves, p_mask, p_diff))
-            x_full = jax.tree.unflatten(x_def, merge(x_leaves, x_mask, x_diff))
-            return fn(p_full, *x_full, **kw_val, **static_kw)
+        def part(diff, npr, nst):
+            return run_inner(merge(ops_v, mask, diff), npr, nst)
 
-        y, vjp_fn = jax.vjp(diff_part, select(p_leaves, p_mask), select(x_leaves, x_mask))
-        facts.update(p=(p_def, p_mask), x=(x_def, x_mask), probe_live=any(probe_mask))
-        return y, (vjp_fn, p_val, x_val, y, extra_val["state"])
+        (outs, nst_out), vjp_fn = jax.vjp(part, select(ops_v, mask), npr_v, nst_v)
+        return (outs, state_v, nst_out), (vjp_fn, ops_v, outs, Static(tuple(mask)))
 
-    def bwd(res, g):
-        vjp_fn, p_val, x_val, y, old_state = res
-        g = _instantiate(g)
-        gp, gx = vjp_fn(g)
-        (p_def, p_mask), (x_def, x_mask) = facts["p"], facts["x"]
-        grad_xs = scatter(x_def, x_mask, gx, collapse=True)
-        rec = Cotangents(
-            name=name,
-            call=index,
-            params=p_val,
-            input=x_val[0] if single else x_val,
-            output=y,
-            grad_output=g,
-            grad_input=(grad_xs[0] if single else grad_xs) if grad_xs is not None else None,
-            grad_params=scatter(p_def, p_mask, gp, collapse=True),
+    def bwd(res, cts):
+        vjp_fn, ops_v, outs, mask = res
+        mask = mask.value
+        g_outs, g_state, g_nst = cts
+        live = any(not isinstance(g, SymbolicZero) for g in g_outs)
+        g_outs = _instantiate(g_outs, out_avals)
+        g_nst = jax.tree.map(
+            lambda g, s: jnp.zeros(s.shape, s.dtype) if isinstance(g, SymbolicZero) else g,
+            g_nst,
+            nested_states,
+            is_leaf=lambda x: isinstance(x, SymbolicZero),
         )
-        rec, new_state = _hooks.run(rec, hooks, old_state)
-        probe_ct = None
-        if has_slot:
-            slot = {
-                "captured": carry(reduce_record(rec, spec)) if spec is not None else None,
-                "state": new_state if stateful else None,
-                "ran": jnp.ones((), jnp.float32),
-            }
-            if scope.mode == "discover":
-                scope.slots[key] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), slot)
-                if spec is not None:
-                    scope.dtypes[key] = jax.tree.map(lambda a: a.dtype, reduce_record(rec, spec))
-            elif facts["probe_live"]:
-                probe_ct = slot
-        gi = rec.grad_input
-        gx_out = tuple(None for _ in x_val) if gi is None else (gi,) if single else gi
-        gp_out = rec.grad_params if rec.grad_params is not None else jax.tree.map(lambda _: None, p_val)
-        extra_out = {"state": jax.tree.map(lambda _: None, old_state), "probe": probe_ct}
-        return gp_out, gx_out, jax.tree.map(lambda _: None, dynamic_kw), extra_out
+        g_diff, g_npr, g_nst_in = vjp_fn((g_outs, g_nst))
+        it = iter(g_diff)
+        grads = [next(it) if m else None for m in mask]
+        # The record follows the plan's flags: a gradient JAX proved zero is zeros, not None.
+        shown = [
+            (g if g is not None else _zeros(a)) if f and jnp.issubdtype(a.dtype, jnp.inexact) else None
+            for g, a, f in zip(grads, in_avals, static_flags)
+        ]
+        probe_ct, new_state = None, g_state
+        if live:
+            rec = _record(site, ops_v, outs, g_outs, shown)
+            rec, new_state = _hooks.run(rec, site.hooks, g_state)
+            shown = _slots.replace_grads(site, shown, rec)
+            if site.spec is not None:
+                probe_ct = _slots.slot_value(site, rec)
+        out_grads = [s if m else None for s, m in zip(shown, mask)]
+        return out_grads, probe_ct, new_state, g_npr, g_nst_in
 
     rule.defvjp(fwd, bwd, symbolic_zeros=True)
-    return rule(params, tuple(inputs), dynamic_kw, {"state": state, "probe": probe})
+    return rule(list(ops), probe, state, nested_probes, nested_states)

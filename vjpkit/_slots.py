@@ -1,32 +1,31 @@
-"""Slots: how captured records and new hook states leave the backward pass.
+"""Slots and hook state: how captured records and new states leave the backward pass.
 
-Contract: a layer call that is captured, or whose hooks keep state, owns a *slot*: a zero
-"probe" argument whose cotangent the rule sets to ``{"captured", "state", "ran"}``. Running a
-transform with slots takes two traces: ``discover`` traces the whole transform under
-``jax.eval_shape`` to learn every slot's shapes (no computation), then the real trace
-differentiates with respect to the probes too, and ``read_out`` turns the probe
-gradients into ``captured`` (``{call key: Cotangents}``) and the new hook state. A slot
-whose backward never ran has ``ran == 0``: its state is returned unchanged. Each call has its
-own probe, so calls of a shared layer are never summed.
+Contract: an active layer call with a capture spec owns a *slot*: a zero "probe" operand whose
+cotangent the rule sets to ``{"captured": record, "ran": 1}``. Slot shapes come from the
+plan (the program's types), never from a second trace. A call inside ``lax.scan`` has its
+probe stacked on a leading axis per enclosing scan, so its records come back one per
+iteration. Integer and boolean leaves travel exactly, as 16-bit chunks in float32; a record
+of a ``lax.cond`` branch not taken comes back as NaN (integers: 0), never as plausible zeros.
 
-Capture host delivery (``vk.capture(..., host=vk.on_host(fn, every=N))``) sends each spec's
-records in one callback per step; with ``every > 1`` a float step counter lives in the hook
-state under ``"__host__/<i>"`` and gates the transfer inside the graph.
+``HookState`` is the typed hook-state container threaded by ``hook_state=``: ``layers`` maps
+call keys to the states of their stateful hooks, ``host`` holds the step counters of capture
+host deliveries with ``every > 1``. It is a read-only mapping over ``layers``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _context, _hooks
+from ._capture import reduce_record
 from ._check import check_like
 from ._errors import ConfigError
-
-HOST_KEY = "__host__/"
+from ._records import Cotangents
 
 THREADING = (
     "Create the state once with `state = vk.init_hook_state(g, *args)`, pass it as "
@@ -34,135 +33,260 @@ THREADING = (
 )
 
 
-def host_counters(specs: Sequence[Any]) -> dict[str, Any]:
+class HookState(Mapping):
+    """Hook state across steps: ``state[key]`` is the state of layer call ``key``'s hooks.
+
+    Attributes:
+        layers: ``{call key: state}`` of the stateful hooks.
+        host: ``{capture spec index: {"count": float32}}``: step counters of capture host
+            deliveries with ``every > 1`` (kept apart from the layers' states).
+
+    Examples:
+        >>> state = vk.init_hook_state(g, params, x, y)
+        >>> sorted(state), state["fc2"].count
+    """
+
+    def __init__(self, layers: Mapping | None = None, host: Mapping | None = None):
+        self.layers = dict(layers or {})
+        self.host = dict(host or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self.layers[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __bool__(self) -> bool:
+        return bool(self.layers) or bool(self.host)
+
+    def __repr__(self) -> str:
+        return f"HookState(layers={self.layers!r}, host={self.host!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    HookState,
+    lambda s: (
+        ((jax.tree_util.GetAttrKey("layers"), s.layers), (jax.tree_util.GetAttrKey("host"), s.host)),
+        None,
+    ),
+    lambda _, children: HookState(*children),
+)
+
+
+# --- exact carriage of integer leaves ------------------------------------------------------
+
+
+def _chunks(dtype: Any) -> int:
+    dtype = np.dtype(dtype)
+    return 1 if dtype == np.bool_ else max(1, dtype.itemsize // 2)
+
+
+def _carried(a: Any) -> Any:
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return a
+    return jax.ShapeDtypeStruct((_chunks(a.dtype), *a.shape), jnp.float32)
+
+
+def _unsigned(dtype: Any) -> Any:
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(dtype).itemsize]
+
+
+def _encode(x: jax.Array) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.float32)[None]
+    u = jax.lax.bitcast_convert_type(x, _unsigned(x.dtype))
+    return jnp.stack([((u >> (16 * k)) & 0xFFFF).astype(jnp.float32) for k in range(_chunks(x.dtype))])
+
+
+def _decode(c: jax.Array, dtype: Any, lead: int) -> jax.Array:
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return c.astype(dtype)
+    c = jnp.moveaxis(c, lead, 0)
+    if np.dtype(dtype) == np.bool_:
+        return c[0] > 0.5
+    u = _unsigned(dtype)
+    total = sum(c[k].astype(u) << u(16 * k) for k in range(c.shape[0]))
+    return jax.lax.bitcast_convert_type(total.astype(u), dtype)
+
+
+# --- slots --------------------------------------------------------------------------------------
+
+
+def slot_avals(record: Cotangents, spec: Any) -> dict:
+    """The probe's (unstacked) shape tree for a call with ``record`` shapes and ``spec``."""
+    reduced = jax.eval_shape(lambda r: reduce_record(r, spec), record)
+    return {
+        "captured": jax.tree.map(_carried, reduced),
+        "dtypes": jax.tree.map(lambda a: np.dtype(a.dtype), reduced),
+        "ran": jax.ShapeDtypeStruct((), jnp.float32),
+    }
+
+
+def slot_value(site: Any, rec: Cotangents) -> dict:
+    """The probe cotangent that carries ``rec`` out of the backward pass."""
+    reduced = reduce_record(rec, site.spec)
+    return {"captured": jax.tree.map(_encode, reduced), "ran": jnp.ones((), jnp.float32)}
+
+
+def _stacked(site: Any) -> Any:
+    carried = {"captured": site.slot["captured"], "ran": site.slot["ran"]}
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*site.scans, *a.shape), a.dtype), carried)
+
+
+def probes(plan: Any) -> dict:
+    """Zero probes for every captured call of ``plan``."""
+    return {
+        s.key: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), _stacked(s))
+        for s in plan.active()
+        if s.spec is not None
+    }
+
+
+def read_captured(plan: Any, probe_grads: dict) -> dict:
+    """``{call key: Cotangents}`` from the probes' gradients, in backward order."""
+    out = {}
+    for key in reversed(plan.order):
+        if key not in probe_grads:
+            continue
+        site = plan.by_key[key]
+        g = probe_grads[key]
+        lead = len(site.scans)
+        rec = jax.tree.map(
+            lambda c, dt, lead=lead: _decode(c, dt, lead),
+            g["captured"],
+            site.slot["dtypes"],
+        )
+        if site.in_cond:  # a branch not taken makes no record: NaN (integers 0), not zeros
+            ran = g["ran"] > 0
+
+            def mask(x, ran=ran):
+                r = ran.reshape(ran.shape + (1,) * (x.ndim - ran.ndim))
+                fill = jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else 0
+                return jnp.where(r, x, jnp.asarray(fill, x.dtype))
+
+            rec = jax.tree.map(mask, rec)
+        out[key] = rec
+    return out
+
+
+def replace_grads(site: Any, shown: Sequence, rec: Cotangents) -> list:
+    """Operand cotangents with the record's (possibly replaced) grad_params and grad_input."""
+    n = site.eqn.params["n_hoisted"]
+    tree = site.eqn.params["tree"]
+    g_params, g_inputs, g_kw = jax.tree.unflatten(tree, list(shown[n:]))
+    if rec.grad_params is not None:
+        g_params = rec.grad_params
+    if rec.grad_input is not None:
+        g_inputs = (rec.grad_input,) if len(g_inputs) == 1 else tuple(rec.grad_input)
+    return [*shown[:n], *tree.flatten_up_to((g_params, g_inputs, g_kw))]
+
+
+# --- hook state ---------------------------------------------------------------------------------
+
+
+def _as_hook_state(value: Any, transform: str) -> HookState:
+    if isinstance(value, HookState):
+        return value
+    if isinstance(value, Mapping):  # a plain {call key: state} dict
+        return HookState(value)
+    raise ConfigError(
+        f"{transform}: hook_state must be the state returned last by the previous call (or by "
+        f"vk.init_hook_state), got {type(value).__name__}. {THREADING}"
+    )
+
+
+def layer_states(plan: Any, hook_state: Any) -> dict:
+    """The user's state for every stateful call of ``plan``, checked against ``init``'s shapes."""
+    transform = plan.config.transform
+    stateful = [s for s in plan.active() if s.state is not None]
+    if not stateful:
+        if hook_state is not None and not _as_hook_state(hook_state, transform).host:
+            raise ConfigError(
+                f"{transform}: hook_state= was given, but no hook on the layers called keeps state "
+                "(no vk.HookTransform with array state). Drop hook_state=."
+            )
+        return {}
+    if hook_state is None:
+        raise ConfigError(
+            f"{transform}: the hooks on layer {stateful[0].key!r} keep state across steps, so the "
+            f"function needs hook_state=. {THREADING}"
+        )
+    state = _as_hook_state(hook_state, transform)
+    keys = {s.key for s in stateful}
+    extra = sorted(set(state.layers) - keys)
+    if extra:
+        raise ConfigError(
+            f"{transform}: hook_state has entries {extra} for layer calls that keep no state in "
+            f"this forward pass (stateful calls: {sorted(keys)}). {THREADING}"
+        )
+    out = {}
+    for s in stateful:
+        if s.key not in state.layers:
+            raise ConfigError(
+                f"{transform}: hook_state has no entry for layer call {s.key!r} (it has "
+                f"{sorted(state.layers)}). Was it made for another model or other hooks? {THREADING}"
+            )
+        check_like(
+            s.state,
+            state.layers[s.key],
+            what=f"{transform}: hook_state[{s.key!r}]",
+            error=ConfigError,
+            hint=THREADING,
+        )
+        out[s.key] = state.layers[s.key]
+    return out
+
+
+def new_state(plan: Any, hook_state: Any, g_states: dict) -> HookState | None:
+    """The advanced hook state (host counters are advanced by ``deliver``)."""
+    if hook_state is None:
+        return None
+    state = _as_hook_state(hook_state, plan.config.transform)
+    return HookState({k: g_states.get(k, v) for k, v in state.layers.items()}, state.host)
+
+
+def host_counters(specs: Sequence[Any]) -> dict:
     """Initial step counters of the capture host deliveries that skip steps."""
     return {
-        f"{HOST_KEY}{i}": {"count": jnp.zeros((), jnp.float32)}
+        i: {"count": jnp.zeros((), jnp.float32)}
         for i, spec in enumerate(specs)
         if spec.host is not None and spec.host.every > 1
     }
 
 
-def _owner(key: str) -> str:
-    if key.startswith(HOST_KEY):
-        return "a capture host delivery with every > 1 (its step counter)"
-    return f"the hooks on layer {key!r}"
-
-
-def check_user_state(scope: _context.Scope, key: str, expected: Any) -> Any:
-    """The user's state for ``key``, checked against the shapes ``init`` gives."""
-    if scope.hook_state is not None and not isinstance(scope.hook_state, dict):
+def deliver(config: _context.Config, captured: dict, state: HookState | None) -> HookState | None:
+    """Sends each capture spec's records to its host function; advances skipping counters."""
+    counters = host_counters(config.capture)
+    if counters and (state is None or set(state.host) != set(counters)):
         raise ConfigError(
-            f"{scope.transform}: hook_state must be the dict {{call key: state}} returned last by the "
-            f"previous call (or by vk.init_hook_state), got {type(scope.hook_state).__name__}. {THREADING}"
+            f"{config.transform}: a capture host delivery with every > 1 keeps a step counter in the "
+            f"hook state, so the function needs hook_state=. {THREADING}"
         )
-    if scope.hook_state is None:
-        raise ConfigError(
-            f"{scope.transform}: {_owner(key)} keeps state across steps, so the function needs "
-            f"hook_state=. {THREADING}"
-        )
-    if key not in scope.hook_state:
-        raise ConfigError(
-            f"{scope.transform}: hook_state has no entry for layer call {key!r} (it has "
-            f"{sorted(scope.hook_state)}). Was it made for another model or other hooks? {THREADING}"
-        )
-    state = scope.hook_state[key]
-    check_like(
-        expected, state, what=f"{scope.transform}: hook_state[{key!r}]", error=ConfigError, hint=THREADING
-    )
-    return state
-
-
-def discover(scope: _context.Scope, trace: Callable[[], Any]) -> None:
-    """Traces ``trace()`` shape-only under ``scope`` (mode ``"discover"``) to fill its slots."""
-    with _context.activate(scope):
-        jax.eval_shape(trace)
-    counters = host_counters(scope.capture)
-    for key, spec in counters.items():
-        scope.states[key] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), spec)
-        check_user_state(scope, key, scope.states[key])
-    if scope.hook_state is not None:
-        extra = sorted(set(scope.hook_state) - set(scope.states))
-        if extra:
-            raise ConfigError(
-                f"{scope.transform}: hook_state has entries {extra} for layer calls that keep no state in "
-                f"this forward pass (stateful calls: {sorted(scope.states)}). {THREADING}"
-            )
-
-
-def probes(scope: _context.Scope) -> dict[str, Any]:
-    """Zero probes shaped like the discovered slots."""
-    return {
-        key: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), slot) for key, slot in scope.slots.items()
-    }
-
-
-def read_out(scope: _context.Scope, probe_grads: dict[str, Any]) -> tuple[dict, dict]:
-    """``(captured, new_state)`` from the probes' gradients."""
-    captured, new_state = {}, {}
-    for key in scope.slots:  # backward order (outside jit; jit returns dicts sorted by key)
-        g = probe_grads[key]
-        if g["captured"] is not None:
-            captured[key] = jax.tree.map(lambda a, dt: a.astype(dt), g["captured"], scope.dtypes[key])
-        if g["state"] is not None:
-            ran = g["ran"] > 0
-            new_state[key] = jax.tree.map(
-                lambda new, o, r=ran: jnp.where(r, new, o), g["state"], scope.hook_state[key]
-            )
-    for key in scope.states:  # stateful calls whose backward never ran keep their state
-        if key not in new_state and not key.startswith(HOST_KEY):
-            new_state[key] = scope.hook_state[key]
-    for i, spec in enumerate(scope.capture):
+    host = dict(state.host) if state is not None else {}
+    for i, spec in enumerate(config.capture):
         if spec.host is None:
             continue
-        mine = {k: v for k, v in captured.items() if spec.matches(k.split("#")[0])}
-        counter_key = f"{HOST_KEY}{i}"
-        if counter_key in scope.states:
-            count = scope.hook_state[counter_key]["count"]
-            jax.lax.cond(
-                jnp.mod(count, spec.host.every) == 0,
-                spec.host.send,
-                lambda m: None,
-                mine,
-            )
-            new_state[counter_key] = {"count": count + 1}
+        mine = {k: v for k, v in captured.items() if spec.matches(v.name)}
+        if i in counters:
+            count = host[i]["count"]
+            jax.lax.cond(jnp.mod(count, spec.host.every) == 0, spec.host.send, lambda m: None, mine)
+            host[i] = {"count": count + 1}
         else:
             spec.host.send(mine)
-    return captured, new_state
+    return None if state is None else HookState(state.layers, host)
 
 
-def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """The initial hook state of a vjpkit-transformed function, for ``hook_state=``.
-
-    Runs ``fn``'s forward pass once and calls each stateful hook's ``init`` with the params
-    of each layer call it matches.
-
-    Args:
-        fn: the function returned by ``vk.grad`` / ``vk.value_and_grad`` with stateful hooks.
-        *args: example arguments, as ``fn`` will be called.
-        **kwargs: example arguments, as ``fn`` will be called.
-
-    Returns:
-        ``{call key: state}`` (a pytree of float arrays).
-
-    Examples:
-        >>> g = vk.value_and_grad(loss_fn, hooks={"conv*": vk.ema_normalize(0.9)})
-        >>> state = vk.init_hook_state(g, params, x, y)
-        >>> (loss, grads), state = jax.jit(g)(params, x, y, hook_state=state)
-    """
-    config = getattr(fn, "__vjpkit__", None)
-    if config is None:
-        raise ConfigError(
-            "vk.init_hook_state takes the function returned by vk.grad / vk.value_and_grad "
-            f"(with hooks=...), got {getattr(fn, '__name__', type(fn).__name__)}."
-        )
-    scope = _context.Scope(
-        config["hooks"], transform=config["transform"], mode="init", capture=config["capture"]
-    )
-    with _context.activate(scope):
-        config["fun"](*args, **kwargs)
-    states = dict(scope.states)
-    states.update(host_counters(config["capture"]))
-    for key, state in states.items():
-        _hooks.check_float_state(state, key)
-    return states
+def init_states(plan: Any, collect: Callable[[Any], Any]) -> HookState:
+    """Initial states of every stateful call of ``plan``; ``collect(site)`` gives its params."""
+    layers = {}
+    for s in plan.active():
+        if s.state is None:
+            continue
+        layers[s.key] = _hooks.init_state(s.hooks, collect(s))
+        _hooks.check_float_state(layers[s.key], s.key)
+    return HookState(layers, host_counters(plan.config.capture))

@@ -48,3 +48,17 @@ def scatter(treedef: Any, mask: Sequence[bool], values: Sequence, *, collapse: b
 def merge(leaves: Sequence, mask: Sequence[bool], diff: Sequence) -> list:
     it = iter(diff)
     return [next(it) if keep else leaf for leaf, keep in zip(leaves, mask)]
+
+
+@jax.tree_util.register_static
+class Static:
+    """A hashable value carried as pytree metadata (no leaves), e.g. inside custom_vjp residuals."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Static) and self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)

@@ -1,0 +1,508 @@
+"""The engine: one traced program, evaluated with every hooked layer call given its rule.
+
+Contract: ``trace`` runs the user's function once under ``jax.make_jaxpr`` with the ``LAYERS``
+scope active, so every layer call is one ``vjpkit_layer`` equation (``_primitive``); the
+program does not depend on the hook configuration. ``Plan`` walks that program once, without
+computing anything: it names every layer call (``name``, ``name#1`` in forward order, as if
+inner ``jax.jit`` and ``jax.checkpoint`` functions were inlined), decides which calls are
+*active* (a hook or capture spec matches), and derives each active call's slot shapes from
+the program's types. ``Runner`` evaluates the program equation by equation:
+
+* an active call goes through the custom_vjp rule of ``_rule``; an inactive one is inlined;
+* ``lax.scan`` bodies holding active calls are re-scanned with their calls' probes stacked on
+  a leading axis (passed as ``xs``: one record per iteration) and their hook states in the
+  carry (advanced once per iteration, in backward order);
+* ``lax.cond`` / ``switch`` branches get the probes and states as operands, so only the
+  branch taken writes them;
+* ``jax.checkpoint`` bodies are re-checkpointed, inner ``jax.jit`` bodies inlined;
+* anything else is bound as it is.
+
+A hook state rides the backward pass as the cotangent of a pass-through value: ``vjp`` seeds
+the program's final states with the user's states and reads the new ones off as the
+cotangents of the initial ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from . import _context, _hooks, _rule, _slots
+from ._primitive import layer_p
+from ._records import Cotangents, call_key
+
+_CONTROL = {"scan", "cond", "jit", "pjit", "remat2", "checkpoint", "closed_call", "core_call"}
+
+
+def _aval(v: Any) -> Any:
+    return v.aval
+
+
+def _inexact(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _sds(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Site:
+    """One layer call of the traced program (static facts only).
+
+    Attributes:
+        key: ``name`` or ``name#k``; name, call: as in the record.
+        path: where the equation sits (indices into nested programs).
+        hooks: the hooks matching ``name``; spec: the capture spec, or ``None``.
+        eqn: the ``vjpkit_layer`` equation.
+        flags: per operand, whether it carries a gradient (``grad_input`` / ``grad_params``
+            leaves are ``None`` where not).
+        scans: lengths of the enclosing ``lax.scan`` s, outermost first.
+        in_cond: inside a ``lax.cond`` branch.
+        record: the record's fields as ``ShapeDtypeStruct`` trees (unstacked).
+        state: the hook state's ``ShapeDtypeStruct`` tree, or ``None`` when stateless.
+        slot: the captured record's carried ``ShapeDtypeStruct`` tree, or ``None``.
+    """
+
+    key: str
+    name: str
+    call: int
+    path: tuple
+    hooks: tuple
+    spec: Any
+    eqn: Any
+    flags: tuple
+    scans: tuple
+    in_cond: bool
+    record: Cotangents
+    state: Any
+    slot: Any
+
+    @property
+    def active(self) -> bool:
+        return bool(self.hooks) or self.spec is not None
+
+    def split(self, ops: Sequence) -> tuple[list, Any]:
+        """``(hoisted, (params, inputs, kwargs))`` from flat operands."""
+        n = self.eqn.params["n_hoisted"]
+        return list(ops[:n]), jax.tree.unflatten(self.eqn.params["tree"], list(ops[n:]))
+
+
+def _record_avals(eqn: Any, flags: Sequence[bool], name: str, call: int) -> Cotangents:
+    n = eqn.params["n_hoisted"]
+    tree = eqn.params["tree"]
+    avals = [_sds(v.aval) for v in eqn.invars[n:]]
+    grads = [a if f and _inexact(a) else None for a, f in zip(avals, flags[n:])]
+    params, inputs, _ = jax.tree.unflatten(tree, avals)
+    g_params, g_inputs, _ = jax.tree.unflatten(tree, grads)
+    outs = jax.tree.unflatten(eqn.params["out_tree"], [_sds(v.aval) for v in eqn.outvars])
+    g_outs = jax.tree.map(lambda a: a if _inexact(a) else None, outs)
+    single = len(inputs) == 1
+    return Cotangents(
+        name=name,
+        call=call,
+        params=params,
+        input=inputs[0] if single else inputs,
+        output=outs,
+        grad_output=g_outs,
+        grad_input=_collapse(g_inputs[0] if single else g_inputs),
+        grad_params=_collapse(g_params),
+    )
+
+
+def _collapse(tree: Any) -> Any:
+    """``None`` for a tree that has leaf positions but no leaves; ``tree`` otherwise."""
+    is_none = lambda x: x is None
+    positions = jax.tree.leaves(tree, is_leaf=is_none)
+    if positions and all(p is None for p in positions):
+        return None
+    return tree
+
+
+class Plan:
+    """Every layer call of a traced program, named, with its hooks and slot shapes."""
+
+    def __init__(self, config: _context.Config, jaxpr: Any, in_flags: Sequence[bool]):
+        self.config = config
+        self.sites: dict[tuple, Site] = {}
+        self.by_key: dict[str, Site] = {}
+        self.order: list[str] = []  # keys of every layer call, forward order
+        self.busy: set[tuple] = set()  # paths that hold an active call
+        self.unreached: list[str] = []  # layer names inside programs the engine cannot rewrite
+        self._counts: dict[str, int] = {}
+        self._walk(jaxpr, list(in_flags), (), (), False, True)
+
+    # -- queries
+    def active(self) -> list[Site]:
+        return [s for s in self.by_key.values() if s.active]
+
+    def under(self, path: tuple) -> list[Site]:
+        """Active sites (one per key) strictly inside the equation at ``path``."""
+        n = len(path)
+        seen: dict[str, Site] = {}
+        for p, s in self.sites.items():
+            if s.active and len(p) > n and p[:n] == path:
+                seen.setdefault(s.key, s)
+        return list(seen.values())
+
+    @property
+    def names(self) -> list[str]:
+        return [self.by_key[k].name for k in self.order] + self.unreached
+
+    # -- the walk
+    def _walk(self, jaxpr, flags, path, scans, in_cond, register) -> list[bool]:
+        env: dict[Any, bool] = dict(zip(jaxpr.invars, flags))
+
+        def read(a):
+            return False if isinstance(a, jcore.Literal) else env.get(a, False)
+
+        for i, eqn in enumerate(jaxpr.eqns):
+            p = (*path, i)
+            ins = [read(a) for a in eqn.invars]
+            outs = self._eqn(eqn, ins, p, scans, in_cond, register)
+            for v, f in zip(eqn.outvars, outs):
+                env[v] = bool(f) and _inexact(v.aval)
+        return [read(v) for v in jaxpr.outvars]
+
+    def _eqn(self, eqn, ins, p, scans, in_cond, register) -> list[bool]:
+        prim, params = eqn.primitive, eqn.params
+        if prim is layer_p:
+            return self._site(eqn, ins, p, scans, in_cond, register)
+        name = prim.name
+        if name == "scan":
+            return self._scan(eqn, ins, p, scans, in_cond, register)
+        if name == "cond":
+            return self._cond(eqn, ins, p, scans, register)
+        if name in ("jit", "pjit", "closed_call", "core_call") and "jaxpr" in params:
+            inner = params["jaxpr"]
+            return self._walk(getattr(inner, "jaxpr", inner), ins, p, scans, in_cond, register)
+        if name in ("remat2", "checkpoint"):
+            return self._walk(params["jaxpr"], ins, p, scans, in_cond, register)
+        if name == "stop_gradient":
+            return [False] * len(eqn.outvars)
+        if register:
+            self._unreachable(eqn, name)
+        return [any(ins)] * len(eqn.outvars)
+
+    def _unreachable(self, eqn, prim_name) -> None:
+        names = _layer_names_in(eqn.params)
+        if names:
+            self.unreached += names
+            warnings.warn(
+                f"vjpkit: layer call(s) {sorted(set(names))} run inside a '{prim_name}' "
+                "(a custom_jvp/custom_vjp function or a while loop), which vjpkit does not rewrite: "
+                "they run as plain JAX and make no record. Call them outside it to hook them.",
+                stacklevel=2,
+            )
+
+    def _site(self, eqn, ins, p, scans, in_cond, register) -> list[bool]:
+        inner = eqn.params["jaxpr"].jaxpr
+        if not register:
+            return self._walk(inner, ins, p, scans, in_cond, False)
+        name = eqn.params["name"]
+        call = self._counts.get(name, 0)
+        self._counts[name] = call + 1
+        key = call_key(name, call)
+        config = self.config
+        hooks = config.hooks_for(name)
+        spec = config.capture_for(name)
+        record = _record_avals(eqn, ins, name, call)
+        state = _hooks.state_avals(hooks, record.params)
+        slot = _slots.slot_avals(record, spec) if spec is not None else None
+        site = Site(key, name, call, p, hooks, spec, eqn, tuple(ins), scans, in_cond, record, state, slot)
+        if key in self.by_key:  # the same call in another branch of a lax.cond
+            other = self.by_key[key]
+            same = jax.tree.structure((other.slot, other.state)) == jax.tree.structure((slot, state))
+            if not same or jax.tree.leaves((other.slot, other.state)) != jax.tree.leaves((slot, state)):
+                raise _context.ConfigError(
+                    f"{config.transform}: layer call {key!r} appears in two lax.cond branches with "
+                    f"different record shapes ({other.record!r} and {record!r}). Give the layers "
+                    "in the two branches different names."
+                )
+        else:
+            self.by_key[key] = site
+            self.order.append(key)
+        self.sites[p] = site
+        if site.active:
+            self.busy.update(p[:k] for k in range(len(p) + 1))
+        return self._walk(inner, ins, p, scans, in_cond, True)
+
+    def _scan(self, eqn, ins, p, scans, in_cond, register) -> list[bool]:
+        nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+        body = eqn.params["jaxpr"].jaxpr
+        consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+        while True:
+            outs = self._walk(body, consts + carry + xs, p, scans, in_cond, False)
+            new = [a or b for a, b in zip(carry, outs[:ncar])]
+            if new == carry:
+                break
+            carry = new
+        return self._walk(body, consts + carry + xs, p, (*scans, eqn.params["length"]), in_cond, register)
+
+    def _cond(self, eqn, ins, p, scans, register) -> list[bool]:
+        before = dict(self._counts)
+        after: list[dict] = []
+        outs = None
+        for k, branch in enumerate(eqn.params["branches"]):
+            self._counts = dict(before)
+            o = self._walk(branch.jaxpr, ins[1:], (*p, "b", k), scans, True, register)
+            outs = o if outs is None else [a or b for a, b in zip(outs, o)]
+            after.append(self._counts)
+        names = set().union(*after)
+        self._counts = {n: max(c.get(n, 0) for c in after) for n in names}
+        return outs
+
+
+def _layer_names_in(params: dict) -> list[str]:
+    """Names of the layer calls inside the programs held by an equation's ``params``."""
+    names = []
+    for v in params.values():
+        for s in v if isinstance(v, (tuple, list)) else [v]:
+            jaxpr = s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s if isinstance(s, jcore.Jaxpr) else None
+            for eqn in jaxpr.eqns if jaxpr is not None else ():
+                if eqn.primitive is layer_p:
+                    names.append(eqn.params["name"])
+                names += _layer_names_in(eqn.params)
+    return names
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+
+def _bind(eqn: Any, invals: Sequence) -> list:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+class Runner:
+    """Evaluates a planned program; see the module contract."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    def eval(self, jaxpr, consts, args, path, probes: dict, states: dict) -> tuple[list, dict]:
+        env: dict[Any, Any] = {}
+
+        def read(a):
+            return a.val if isinstance(a, jcore.Literal) else env[a]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for i, eqn in enumerate(jaxpr.eqns):
+            p = (*path, i)
+            invals = [read(a) for a in eqn.invars]
+            if p in self.plan.busy or (eqn.primitive is layer_p and p in self.plan.sites):
+                outs, states = self._special(eqn, invals, p, probes, states)
+            else:
+                outs = _bind(eqn, invals)
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars], states
+
+    def _mine(self, p, probes, states) -> tuple[dict, dict]:
+        keys = [s.key for s in self.plan.under(p)]
+        return (
+            {k: probes[k] for k in keys if k in probes},
+            {k: states[k] for k in keys if k in states},
+        )
+
+    def _special(self, eqn, invals, p, probes, states) -> tuple[list, dict]:
+        name = eqn.primitive.name
+        params = eqn.params
+        if eqn.primitive is layer_p:
+            return self._layer(eqn, invals, p, probes, states)
+        if name == "scan":
+            return self._scan(eqn, invals, p, probes, states)
+        if name == "cond":
+            return self._cond(eqn, invals, p, probes, states)
+        if name in ("jit", "pjit", "closed_call", "core_call"):
+            inner = params["jaxpr"]
+            return self.eval(inner.jaxpr, inner.consts, invals, p, probes, states)
+        if name in ("remat2", "checkpoint"):
+            pr, st = self._mine(p, probes, states)
+
+            def body(invals, pr, st):
+                return self.eval(params["jaxpr"], (), invals, p, pr, st)
+
+            remat = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
+            outs, st = remat(invals, pr, st)
+            return outs, {**states, **st}
+        return _bind(eqn, invals), states
+
+    def _layer(self, eqn, invals, p, probes, states) -> tuple[list, dict]:
+        site = self.plan.sites[p]
+        inner = eqn.params["jaxpr"]
+
+        def run_inner(ops, pr, st):
+            return self.eval(inner.jaxpr, inner.consts, ops, p, pr, st)
+
+        if not site.active:
+            return run_inner(invals, probes, states)
+        pr, st = self._mine(p, probes, states)
+        outs, state, st = _rule.hooked(
+            site, run_inner, invals, probes.get(site.key), states.get(site.key), pr, st
+        )
+        states = {**states, **st}
+        if site.state is not None:
+            states[site.key] = state
+        return outs, states
+
+    def _scan(self, eqn, invals, p, probes, states) -> tuple[list, dict]:
+        params = eqn.params
+        nc, ncar = params["num_consts"], params["num_carry"]
+        body = params["jaxpr"]
+        consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+        pr, st = self._mine(p, probes, states)
+
+        def step(carry, x):
+            c, s = carry
+            xx, prx = x
+            outs, s = self.eval(body.jaxpr, body.consts, [*consts, *c, *xx], p, prx, s)
+            return (outs[:ncar], s), outs[ncar:]
+
+        (c_out, st), ys = lax.scan(
+            step,
+            (list(init), st),
+            (list(xs), pr),
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
+        return [*c_out, *ys], {**states, **st}
+
+    def _cond(self, eqn, invals, p, probes, states) -> tuple[list, dict]:
+        index, ops = invals[0], invals[1:]
+        pr, st = self._mine(p, probes, states)
+
+        def branch(k, jaxpr, ops, pr, st):
+            outs, new = self.eval(jaxpr.jaxpr, jaxpr.consts, ops, (*p, "b", k), pr, st)
+            return outs, {key: new[key] for key in st}
+
+        fns = [functools.partial(branch, k, br) for k, br in enumerate(eqn.params["branches"])]
+        outs, st = lax.switch(index, fns, list(ops), pr, st)
+        return outs, {**states, **st}
+
+
+# --- the transforms' shared core ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Traced:
+    """A traced program and its plan: ``out_tree`` is the user output's treedef."""
+
+    closed: Any
+    plan: Plan
+    out_tree: Any
+    n_out: int
+
+
+def trace(config: _context.Config, flat_fun: Callable, leaves: Sequence) -> Traced:
+    """Traces ``flat_fun(*leaves) -> (out, aux)`` once with every layer call marked."""
+
+    def marked(*leaves):
+        with _context.activate(_context.LAYERS):
+            return flat_fun(*leaves)
+
+    closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
+    out_tree = jax.tree.structure(shape)
+    n_out = len(jax.tree.leaves(shape[0]))
+    plan = Plan(config, closed.jaxpr, [True] * len(leaves))
+    return Traced(closed, plan, out_tree, n_out)
+
+
+def linearize(traced: Traced, leaves: Sequence, hook_state: Any) -> tuple[Any, Any, Callable]:
+    """``(out, aux, pullback)`` of the traced program; ``pullback(seed)`` returns
+    ``(leaf cotangents, captured, new hook state)``."""
+    plan = traced.plan
+    runner = Runner(plan)
+    probes0 = _slots.probes(plan)
+    states0 = _slots.layer_states(plan, hook_state)
+
+    def program(leaves, probes, states):
+        outs, states = runner.eval(traced.closed.jaxpr, traced.closed.consts, leaves, (), probes, states)
+        return (outs[: traced.n_out], states), outs[traced.n_out :]
+
+    (outs, _), pullback, aux_leaves = jax.vjp(program, list(leaves), probes0, states0, has_aux=True)
+    out_def = jax.tree.structure(jax.tree.unflatten(traced.out_tree, [0] * traced.out_tree.num_leaves)[0])
+    aux_def = jax.tree.structure(jax.tree.unflatten(traced.out_tree, [0] * traced.out_tree.num_leaves)[1])
+    out = jax.tree.unflatten(out_def, outs)
+    aux = jax.tree.unflatten(aux_def, aux_leaves)
+
+    def pull(seed_leaves):
+        g_leaves, g_probes, g_states = pullback((list(seed_leaves), states0))
+        captured = _slots.read_captured(plan, g_probes)
+        return g_leaves, captured, _slots.new_state(plan, hook_state, g_states)
+
+    return out, aux, pull
+
+
+def zeros_seed(spec: Any) -> Any:
+    if jnp.issubdtype(spec.dtype, jnp.inexact):
+        return jnp.zeros(spec.shape, spec.dtype)
+    return np.zeros(spec.shape, jax.dtypes.float0)
+
+
+def forward_values(traced: Traced, leaves: Sequence) -> Callable[[Site], Any]:
+    """``params(site)``: the params a stateful call used, for its hooks' ``init``.
+
+    An ``init`` that reads only shapes (all of vjpkit's) is evaluated on shapes. One that reads
+    values gets them from one forward evaluation; inside ``lax.scan`` or ``lax.cond`` a call
+    has no single params value, which is an error.
+    """
+    cache: dict[str, Any] = {}
+
+    def params(site: Site) -> Any:
+        def init(p):
+            return _hooks.init_state(site.hooks, p)
+
+        closed = jax.make_jaxpr(init)(site.record.params)
+        if not _depends(closed.jaxpr):
+            zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), site.record.params)
+            return zeros
+        if site.scans or site.in_cond:
+            raise _context.ConfigError(
+                f"{traced.plan.config.transform}: the init of the hooks on layer {site.key!r} reads its "
+                "params' values, but the layer runs inside lax.scan or lax.cond, where its params "
+                "differ per iteration or branch. Make init depend on shapes only (jnp.zeros_like)."
+            )
+        if not cache:
+            _collect(traced, leaves, cache)
+        return cache[site.key]
+
+    return params
+
+
+def _depends(jaxpr: Any) -> bool:
+    """Whether any output of ``jaxpr`` depends on its inputs."""
+    live = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(a, jcore.Literal) and a in live for a in eqn.invars):
+            live.update(eqn.outvars)
+    return any(not isinstance(v, jcore.Literal) and v in live for v in jaxpr.outvars)
+
+
+def _collect(traced: Traced, leaves: Sequence, out: dict) -> None:
+    plan = traced.plan
+
+    class Collect(Runner):
+        def _layer(self, eqn, invals, p, probes, states):
+            site = plan.sites[p]
+            out.setdefault(site.key, site.split(invals)[1][0])
+            inner = eqn.params["jaxpr"]
+            return self.eval(inner.jaxpr, inner.consts, invals, p, probes, states)
+
+    Collect(plan).eval(traced.closed.jaxpr, traced.closed.consts, list(leaves), (), {}, {})

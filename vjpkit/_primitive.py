@@ -1,0 +1,93 @@
+"""The ``vjpkit_layer`` primitive: one layer call, recognisable in a traced program.
+
+Contract: while a reverse-mode vjpkit transform traces the user's function, every layer call
+is bound as one ``vjpkit_layer`` equation whose parameters are
+
+* ``jaxpr``: the layer's computation over flat operands ``(*hoisted, *leaves)``, where
+  ``leaves`` flatten ``(params, inputs, array_kwargs)`` and ``hoisted`` are traced values the
+  layer's function closed over (they get gradients but are not part of the record);
+* ``name``: the layer's full path; ``tree``: the treedef of ``(params, inputs, array_kwargs)``;
+  ``n_hoisted``; ``out_tree``: the treedef of the output.
+
+The equation is what the engine (``_engine``) turns into a hooked rule. Anywhere else it is
+plain JAX: its implementation and lowering evaluate ``jaxpr``; under ``vmap`` it stays one
+equation over the batched operands (the record of a batched call is the batched record); under
+``jvp`` (a plain ``jax.grad`` inside the loss) its primal stays marked and its tangent is the
+plain JVP of ``jaxpr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+from ._trees import split_kwargs
+
+layer_p = jcore.Primitive("vjpkit_layer")
+layer_p.multiple_results = True
+
+
+def _impl(*args, jaxpr, **_):
+    return jcore.jaxpr_as_fun(jaxpr)(*args)
+
+
+def _abstract_eval(*args, jaxpr, **_):
+    del args
+    return jaxpr.out_avals, jaxpr.effects
+
+
+def _batch(args, dims, *, jaxpr, **params):
+    in_axes = [d if isinstance(d, int) else None for d in dims]  # not_mapped is None
+    batched = jax.make_jaxpr(jax.vmap(jcore.jaxpr_as_fun(jaxpr), in_axes=in_axes, out_axes=0))(*args)
+    outs = layer_p.bind(*args, jaxpr=batched, **params)
+    return outs, [0] * len(outs)
+
+
+def _jvp(primals, tangents, *, jaxpr, **params):
+    outs = layer_p.bind(*primals, jaxpr=jaxpr, **params)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, tangents_out = jax.jvp(jcore.jaxpr_as_fun(jaxpr), list(primals), tangents)
+    return outs, tangents_out
+
+
+layer_p.def_impl(_impl)
+layer_p.def_effectful_abstract_eval(_abstract_eval)
+batching.primitive_batchers[layer_p] = _batch
+ad.primitive_jvps[layer_p] = _jvp
+mlir.register_lowering(layer_p, mlir.lower_fun(_impl, multiple_results=True))
+
+
+def _hoist(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, list]:
+    """Moves the traced constants of ``closed`` to leading inputs; returns them."""
+    lift = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+    if not any(lift):
+        return closed, []
+    j = closed.jaxpr
+    keep_vars = [v for v, up in zip(j.constvars, lift) if not up]
+    keep = [c for c, up in zip(closed.consts, lift) if not up]
+    hoisted_vars = [v for v, up in zip(j.constvars, lift) if up]
+    hoisted = [c for c, up in zip(closed.consts, lift) if up]
+    new = jcore.Jaxpr(keep_vars, [*hoisted_vars, *j.invars], j.outvars, j.eqns, j.effects)
+    return jcore.ClosedJaxpr(new, keep), hoisted
+
+
+def bind(fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict) -> Any:
+    """Traces ``fn(params, *inputs, **kwargs)`` and binds it as layer call ``name``."""
+    dynamic, static = split_kwargs(kwargs)
+    leaves, tree = jax.tree.flatten((params, tuple(inputs), dynamic))
+
+    def flat(*leaves):
+        p, xs, kw = jax.tree.unflatten(tree, leaves)
+        return fn(p, *xs, **kw, **static)
+
+    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
+    closed, hoisted = _hoist(closed)
+    out_tree = jax.tree.structure(out_shape)
+    outs = layer_p.bind(
+        *hoisted, *leaves, jaxpr=closed, name=name, tree=tree, n_hoisted=len(hoisted), out_tree=out_tree
+    )
+    return jax.tree.unflatten(out_tree, outs)
