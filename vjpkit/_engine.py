@@ -66,6 +66,8 @@ class Site:
         eqn: the ``vjpkit_layer`` equation.
         flags: per operand, whether it carries a gradient (``grad_input`` / ``grad_params``
             leaves are ``None`` where not).
+        origins: per operand, the index of the program input it is (passed through calls
+            unchanged), or ``None`` (computed, constant, or inside a loop or branch).
         scans: lengths of the enclosing ``lax.scan`` s, outermost first.
         in_cond: inside a ``lax.cond`` branch.
         record: the record's fields as ``ShapeDtypeStruct`` trees (unstacked).
@@ -81,6 +83,7 @@ class Site:
     spec: Any
     eqn: Any
     flags: tuple
+    origins: tuple
     scans: tuple
     in_cond: bool
     record: Cotangents
@@ -159,8 +162,9 @@ class Plan:
         return [self.by_key[k].name for k in self.order] + self.unreached
 
     # -- the walk
-    def _walk(self, jaxpr, flags, path, scans, in_cond, register) -> list[bool]:
+    def _walk(self, jaxpr, flags, path, scans, in_cond, register, origins=None) -> list[bool]:
         env: dict[Any, bool] = dict(zip(jaxpr.invars, flags))
+        origin = dict(zip(jaxpr.invars, origins or ()))
 
         def read(a):
             return False if isinstance(a, jcore.Literal) else env.get(a, False)
@@ -168,6 +172,7 @@ class Plan:
         for i, eqn in enumerate(jaxpr.eqns):
             p = (*path, i)
             ins = [read(a) for a in eqn.invars]
+            self._origins = [None if isinstance(a, jcore.Literal) else origin.get(a) for a in eqn.invars]
             outs = self._eqn(eqn, ins, p, scans, in_cond, register)
             for v, f in zip(eqn.outvars, outs):
                 env[v] = bool(f) and _inexact(v.aval)
@@ -175,6 +180,7 @@ class Plan:
 
     def _eqn(self, eqn, ins, p, scans, in_cond, register) -> list[bool]:
         prim, params = eqn.primitive, eqn.params
+        orig = self._origins
         if prim is layer_p:
             return self._site(eqn, ins, p, scans, in_cond, register)
         name = prim.name
@@ -184,9 +190,9 @@ class Plan:
             return self._cond(eqn, ins, p, scans, register)
         if name in ("jit", "pjit", "closed_call", "core_call") and "jaxpr" in params:
             inner = params["jaxpr"]
-            return self._walk(getattr(inner, "jaxpr", inner), ins, p, scans, in_cond, register)
+            return self._walk(getattr(inner, "jaxpr", inner), ins, p, scans, in_cond, register, orig)
         if name in ("remat2", "checkpoint"):
-            return self._walk(params["jaxpr"], ins, p, scans, in_cond, register)
+            return self._walk(params["jaxpr"], ins, p, scans, in_cond, register, orig)
         if name == "stop_gradient":
             return [False] * len(eqn.outvars)
         if register:
@@ -206,6 +212,7 @@ class Plan:
 
     def _site(self, eqn, ins, p, scans, in_cond, register) -> list[bool]:
         inner = eqn.params["jaxpr"].jaxpr
+        orig = [None] * len(inner.invars) if scans or in_cond else list(self._origins)
         if not register:
             return self._walk(inner, ins, p, scans, in_cond, False)
         name = eqn.params["name"]
@@ -217,8 +224,12 @@ class Plan:
         spec = config.capture_for(name)
         record = _record_avals(eqn, ins, name, call)
         state = _hooks.state_avals(hooks, record.params)
+        if state is not None:
+            _hooks.check_float_state(state, key)
         slot = _slots.slot_avals(record, spec) if spec is not None else None
-        site = Site(key, name, call, p, hooks, spec, eqn, tuple(ins), scans, in_cond, record, state, slot)
+        site = Site(
+            key, name, call, p, hooks, spec, eqn, tuple(ins), tuple(orig), scans, in_cond, record, state, slot
+        )
         if key in self.by_key:  # the same call in another branch of a lax.cond
             other = self.by_key[key]
             same = jax.tree.structure((other.slot, other.state)) == jax.tree.structure((slot, state))
@@ -234,7 +245,7 @@ class Plan:
         self.sites[p] = site
         if site.active:
             self.busy.update(p[:k] for k in range(len(p) + 1))
-        return self._walk(inner, ins, p, scans, in_cond, True)
+        return self._walk(inner, ins, p, scans, in_cond, True, orig)
 
     def _scan(self, eqn, ins, p, scans, in_cond, register) -> list[bool]:
         nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
@@ -288,8 +299,9 @@ def _bind(eqn: Any, invals: Sequence) -> list:
 class Runner:
     """Evaluates a planned program; see the module contract."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, log: list | None = None):
         self.plan = plan
+        self.log = log
 
     def eval(self, jaxpr, consts, args, path, probes: dict, states: dict) -> tuple[list, dict]:
         env: dict[Any, Any] = {}
@@ -354,7 +366,7 @@ class Runner:
             return run_inner(invals, probes, states)
         pr, st = self._mine(p, probes, states)
         outs, state, st = _rule.hooked(
-            site, run_inner, invals, probes.get(site.key), states.get(site.key), pr, st
+            site, run_inner, invals, probes.get(site.key), states.get(site.key), pr, st, self.log
         )
         states = {**states, **st}
         if site.state is not None:
@@ -424,11 +436,15 @@ def trace(config: _context.Config, flat_fun: Callable, leaves: Sequence) -> Trac
     return Traced(closed, plan, out_tree, n_out)
 
 
-def linearize(traced: Traced, leaves: Sequence, hook_state: Any) -> tuple[Any, Any, Callable]:
-    """``(out, aux, pullback)`` of the traced program; ``pullback(seed)`` returns
-    ``(leaf cotangents, captured, new hook state)``."""
+def linearize(traced: Traced, leaves: Sequence, hook_state: Any, log: list | None = None):
+    """``(out, aux, pull)`` of the traced program.
+
+    ``pull(seed_leaves)`` returns ``(leaf cotangents, captured, new hook state)``; it is a
+    ``jax.tree_util.Partial`` (a pytree, so ``jit`` can take it). ``log``, when given, receives
+    the key of every call whose backward pass runs, in backward order, at trace time.
+    """
     plan = traced.plan
-    runner = Runner(plan)
+    runner = Runner(plan, log)
     probes0 = _slots.probes(plan)
     states0 = _slots.layer_states(plan, hook_state)
 
@@ -437,17 +453,17 @@ def linearize(traced: Traced, leaves: Sequence, hook_state: Any) -> tuple[Any, A
         return (outs[: traced.n_out], states), outs[traced.n_out :]
 
     (outs, _), pullback, aux_leaves = jax.vjp(program, list(leaves), probes0, states0, has_aux=True)
-    out_def = jax.tree.structure(jax.tree.unflatten(traced.out_tree, [0] * traced.out_tree.num_leaves)[0])
-    aux_def = jax.tree.structure(jax.tree.unflatten(traced.out_tree, [0] * traced.out_tree.num_leaves)[1])
-    out = jax.tree.unflatten(out_def, outs)
-    aux = jax.tree.unflatten(aux_def, aux_leaves)
-
-    def pull(seed_leaves):
-        g_leaves, g_probes, g_states = pullback((list(seed_leaves), states0))
-        captured = _slots.read_captured(plan, g_probes)
-        return g_leaves, captured, _slots.new_state(plan, hook_state, g_states)
-
+    out_shape, aux_shape = jax.tree.unflatten(traced.out_tree, [0] * traced.out_tree.num_leaves)
+    out = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    aux = jax.tree.unflatten(jax.tree.structure(aux_shape), aux_leaves)
+    pull = jax.tree_util.Partial(functools.partial(_pull, plan), pullback, states0, hook_state)
     return out, aux, pull
+
+
+def _pull(plan: Plan, pullback: Callable, states0: dict, hook_state: Any, seed_leaves: Sequence) -> tuple:
+    g_leaves, g_probes, g_states = pullback((list(seed_leaves), states0))
+    captured = _slots.read_captured(plan, g_probes)
+    return g_leaves, captured, _slots.new_state(plan, hook_state, g_states)
 
 
 def zeros_seed(spec: Any) -> Any:

@@ -86,6 +86,7 @@ def hooked(
     state: Any,
     nested_probes: dict,
     nested_states: dict,
+    log: list | None = None,
 ) -> tuple[list, Any, dict]:
     """Evaluates ``site`` through its rule; returns ``(outputs, new state, nested states)``."""
     in_avals = [v.aval for v in site.eqn.invars]
@@ -134,6 +135,8 @@ def hooked(
         ]
         probe_ct, new_state = None, g_state
         if live:
+            if log is not None:
+                log.append(site.key)
             rec = _record(site, ops_v, outs, g_outs, shown)
             rec, new_state = _hooks.run(rec, site.hooks, g_state)
             shown = _slots.replace_grads(site, shown, rec)

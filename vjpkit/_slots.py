@@ -205,10 +205,12 @@ def layer_states(plan: Any, hook_state: Any) -> dict:
     transform = plan.config.transform
     stateful = [s for s in plan.active() if s.state is not None]
     if not stateful:
-        if hook_state is not None and not _as_hook_state(hook_state, transform).host:
+        given = None if hook_state is None else _as_hook_state(hook_state, transform)
+        if given is not None and not given.host:
+            entries = f" (it has entries {sorted(given.layers)})" if given.layers else ""
             raise ConfigError(
-                f"{transform}: hook_state= was given, but no hook on the layers called keeps state "
-                "(no vk.HookTransform with array state). Drop hook_state=."
+                f"{transform}: hook_state= was given{entries}, but no hook on the layers called keeps "
+                "state (no vk.HookTransform with array state). Drop hook_state=."
             )
         return {}
     if hook_state is None:

@@ -1,7 +1,7 @@
 """``explain``: the shape of every cotangent of one backward pass, without computing any.
 
 Contract: ``explain`` traces ``fun(*args)`` and its backward pass **once, shape-only**
-(``jax.eval_shape``, through a vjpkit discovery scope that captures every layer call's whole
+(``jax.eval_shape`` of the engine's program, with every layer call's whole
 record): no forward or backward computation runs on data. It differentiates the way training
 does, with respect to ``args[0]`` (or ``argnums``):
 
@@ -21,15 +21,16 @@ The plain-text table helpers here are shared with the other ``inspect`` modules.
 
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _context
+from .. import _context, _engine
 from .._capture import FIELDS, capture
 from .._errors import ConfigError
 from .._records import dtype_name
@@ -137,33 +138,40 @@ def _zero_seed(spec: Any) -> Any:
     return np.zeros(spec.shape, jax.dtypes.float0)
 
 
-def _trace(fun: Callable, args: tuple, nums: tuple[int, ...]) -> tuple[_context.Scope, Any, str]:
+class _Trace(NamedTuple):
+    """What one shape-only trace learned: the plan, and the calls reached in backward order."""
+
+    plan: Any
+    backward: list[str]
+
+
+def _trace(fun: Callable, args: tuple, nums: tuple[int, ...]) -> tuple[_Trace, Any, str]:
     """One shape-only trace of fun's forward and backward pass, records captured whole."""
-    scope = _context.Scope((), transform="vk.explain", mode="discover", capture=(capture("*"),))
+    config = _context.Config((), (capture("*"),), "vk.explain")
     seen: dict[str, Any] = {}
+    backward: list[str] = []
 
     def trace(*values):
-        def f(*diff):
-            full = list(values)
-            for i, d in zip(nums, diff):
-                full[i] = d
-            return fun(*full)
+        diff = [values[i] for i in nums]
+        leaves, tree = jax.tree.flatten(diff)
 
-        out, pullback = jax.vjp(f, *(values[i] for i in nums))
+        def flat(*leaves):
+            full = list(values)
+            for i, d in zip(nums, jax.tree.unflatten(tree, leaves)):
+                full[i] = d
+            return fun(*full), None
+
+        traced = _engine.trace(config, flat, leaves)
+        out, _, pull = _engine.linearize(traced, leaves, None, log=backward)
+        seen["plan"] = traced.plan
         seen["out"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), out)
         scalar = isinstance(out, jax.Array) and out.shape == () and jnp.issubdtype(out.dtype, jnp.inexact)
         seen["kind"] = "loss" if scalar else "vjp"
-        return pullback(jnp.ones((), out.dtype) if scalar else jax.tree.map(_zero_seed, out))
+        seed = [jnp.ones((), out.dtype)] if scalar else [_zero_seed(a) for a in jax.tree.leaves(out)]
+        return pull(seed)[1]
 
-    with _context.activate(scope):  # what _slots.discover does, with the arguments abstracted too
-        jax.eval_shape(trace, *args)
-    return scope, seen["out"], seen["kind"]
-
-
-def _record_specs(scope: _context.Scope, key: str) -> Any:
-    """The captured record of ``key`` as ``ShapeDtypeStruct`` leaves with their true dtypes."""
-    rec = scope.slots[key]["captured"]
-    return jax.tree.map(lambda s, dt: jax.ShapeDtypeStruct(s.shape, dt), rec, scope.dtypes[key])
+    jax.eval_shape(trace, *args)
+    return _Trace(seen["plan"], list(dict.fromkeys(backward))), seen["out"], seen["kind"]
 
 
 def _meanings(row: dict, nums: tuple[int, ...], first_backward: bool, shared: bool) -> dict[str, str]:
@@ -211,27 +219,23 @@ def _meanings(row: dict, nums: tuple[int, ...], first_backward: bool, shared: bo
     return m
 
 
-def _rows(scope: _context.Scope, nums: tuple[int, ...]) -> list[dict]:
-    backward = list(scope.slots)
+def _rows(traced: _Trace, nums: tuple[int, ...]) -> list[dict]:
+    plan, backward = traced.plan, traced.backward
+    counts = collections.Counter(plan.by_key[k].name for k in plan.order)
     rows = []
-    for position, key in enumerate(scope.keys):
-        reached = key in scope.slots
-        rec = _record_specs(scope, key) if reached else None
-        if rec is not None:
-            name, call = rec.name, rec.call
-        else:  # no record: read the call key ("name" or "name#k")
-            base, sep, index = key.rpartition("#")
-            name, call = (base, int(index)) if sep and index.isdigit() else (key, 0)
+    for position, key in enumerate(plan.order):
+        site = plan.by_key[key]
+        reached = key in backward
         row = {
             "key": key,
-            "name": name,
-            "call": call,
+            "name": site.name,
+            "call": site.call,
             "forward": position,
             "backward": backward.index(key) if reached else None,
         }
         for field in FIELDS:
-            row[field] = getattr(rec, field) if rec is not None else None
-        shared = scope.calls.get(name, 1) > 1
+            row[field] = getattr(site.record, field) if reached else None
+        shared = counts[site.name] > 1
         row["meaning"] = _meanings(row, nums, reached and backward.index(key) == 0, shared)
         rows.append(row)
     return rows
@@ -363,10 +367,10 @@ def explain(
     nums = tuple(i % len(args) for i in nums)
     fname = getattr(fun, "__name__", "fun")
     fname = "fun" if fname == "<lambda>" else fname
-    scope, out, kind = _trace(fun, args, nums)
-    if not scope.keys:
+    traced, out, kind = _trace(fun, args, nums)
+    if not traced.plan.order:
         raise ConfigError(NO_LAYER.format(fname=fname))
-    rows = _rows(scope, nums)
+    rows = _rows(traced, nums)
     header = _header(fname, out, kind, nums, rows)
     file = sys.stdout if file is None else file
     console = rich_console(file)

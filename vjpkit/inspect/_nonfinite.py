@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _autodiff, _context
+from .. import _autodiff, _context, _engine
 from .._capture import FIELDS, capture
 from .._errors import ConfigError
 
@@ -103,11 +103,11 @@ def _counts(loss_fn: Callable, args: tuple, kwargs: dict) -> tuple[float, dict, 
 
     def traced(*a, **k):
         nonlocal forward
-        out = loss_fn(*a, **k)
-        scope = _context.current()
-        if scope is not None:
-            forward = list(scope.keys)  # the forward pass's call order
-        return out
+        if forward is None:  # the forward call order, from the same program the transform traces
+            leaves, tree = jax.tree.flatten(a)
+            flat = lambda *leaves: (loss_fn(*jax.tree.unflatten(tree, leaves), **k), None)
+            forward = list(_engine.trace(_context.Config(), flat, leaves).plan.order)
+        return loss_fn(*a, **k)
 
     spec = capture("*", fields=FIELDS, reduce="nonfinite_count")
     g = _autodiff.value_and_grad(traced, capture=spec)

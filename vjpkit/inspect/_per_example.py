@@ -55,11 +55,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _context
+from .. import _context, _engine
 from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import capture as _capture
 from .._errors import ConfigError
-from .._hooks import HookTransform
 
 __all__ = ["PerExampleNorms", "dp_clip", "dp_noise", "per_example_grad_norms"]
 
@@ -108,39 +107,31 @@ def _path_name(path: Sequence[Any]) -> str:
 
 def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_Call]:
     """The layer calls of ``loss_fn`` in forward order, with the params leaves each one uses."""
-    calls: list[_Call] = []
+    leaves, tree = jax.tree.flatten(params)
 
-    def trace(params, *batch):
-        flat = jax.tree_util.tree_leaves(params)
-        ids = {id(leaf): i for i, leaf in enumerate(flat)}
+    def flat(*leaves):
+        return loss_fn(jax.tree.unflatten(tree, leaves), *batch), None
 
-        def init(local):
-            scope = _context.current()
-            key = scope.keys[-1]
-            name = key.split("#")[0]
-            entries, derived = {}, []
-            for path, leaf in jax.tree_util.tree_flatten_with_path(local)[0]:
-                local_name = _path_name(path)
-                index = ids.get(id(leaf))
-                if index is None and isinstance(leaf, jax.core.Tracer):
-                    derived.append(local_name)
-                entries[local_name] = (index, tuple(np.shape(leaf)))
-            calls.append(_Call(key, name, entries, derived))
-            return ()
-
-        spy = HookTransform(init, lambda rec, state: (rec, state))
-        scope = _context.Scope((("*", (spy,)),), transform=who, mode="init")
-        with _context.activate(scope):
-            out = loss_fn(params, *batch)
-        return out
-
-    out = jax.eval_shape(trace, params, *batch)
+    traced = _engine.trace(_context.Config((), (), who), flat, leaves)
+    out = traced.closed.out_avals[0]
     if not (hasattr(out, "shape") and tuple(out.shape) == ()):
         raise ConfigError(
             f"{who}: loss_fn must return a scalar: the mean (reduction='mean') or the sum "
             f"(reduction='sum') over the batch of per-example losses; it returned "
             f"{getattr(out, 'shape', type(out).__name__)}."
         )
+    calls = []
+    for key in traced.plan.order:
+        site = traced.plan.by_key[key]
+        n = site.eqn.params["n_hoisted"]
+        paths = jax.tree_util.tree_flatten_with_path(site.record.params)[0]
+        entries, derived = {}, []
+        for (path, aval), origin, flag in zip(paths, site.origins[n:], site.flags[n:]):
+            local_name = _path_name(path)
+            if origin is None and flag:
+                derived.append(local_name)
+            entries[local_name] = (origin, tuple(aval.shape))
+        calls.append(_Call(key, site.name, entries, derived))
     return calls
 
 
