@@ -21,9 +21,8 @@ def tree_allclose(a, b, *, rtol: float = 1e-6, atol: float = 1e-6) -> None:
         x, y = np.asarray(x), np.asarray(y)
         assert x.shape == y.shape, f"{where}: shape {x.shape} != {y.shape}"
         assert x.dtype == y.dtype, f"{where}: dtype {x.dtype} != {y.dtype}"
-        np.testing.assert_allclose(
-            x.astype(np.float64), y.astype(np.float64), rtol=rtol, atol=atol, err_msg=where
-        )
+        wide = np.complex128 if np.iscomplexobj(x) else np.float64  # complex: both parts compared
+        np.testing.assert_allclose(x.astype(wide), y.astype(wide), rtol=rtol, atol=atol, err_msg=where)
 
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"

@@ -105,7 +105,7 @@ def _transform(
             out = checked(*full, **kwargs)
             return (out[0], out[1]) if has_aux else (out, None)
 
-        traced = _engine.trace(config, flat, leaves)
+        traced = _engine.trace(config, flat, leaves, (args, kwargs))
         config.check_matched(traced.plan.names)
         value, aux, pullback = _engine.linearize(traced, leaves, hook_state)
         g_leaves, captured, new_state = pullback([jnp.ones((), value.dtype)])

@@ -27,7 +27,7 @@ def _f32(x):
 
 
 REDUCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "norm": lambda x: jnp.sqrt(jnp.sum(jnp.square(_f32(x)))),
+    "norm": lambda x: jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x).astype(jnp.float32)))),
     "mean": lambda x: jnp.mean(_f32(x)),
     "var": lambda x: jnp.var(_f32(x)),
     "min": lambda x: jnp.min(_f32(x)),
@@ -143,7 +143,19 @@ def as_specs(value: Any, transform: str) -> tuple[CaptureSpec, ...]:
     )
 
 
-def _reduce_leaf(x: Any, reductions: tuple[Any, ...]) -> Any:
+_COMPLEX_OK = ("norm", "nonfinite_count")
+
+
+def _reduce_leaf(x: Any, reductions: tuple[Any, ...], where: str) -> Any:
+    if jnp.iscomplexobj(x):
+        bad = [r if isinstance(r, str) else r.name for r in reductions if r not in _COMPLEX_OK]
+        if bad:
+            raise ConfigError(
+                f"vk.capture: {where} is complex ({x.dtype}); the reduction(s) {bad} are defined for "
+                f"real values only. Use {list(_COMPLEX_OK)} for complex cotangents, or reduce=None "
+                "for the whole arrays."
+            )
+
     def one(r):
         return r(x) if isinstance(r, histogram) else REDUCTIONS[r](x)
 
@@ -160,5 +172,12 @@ def reduce_record(rec: Cotangents, spec: CaptureSpec) -> Cotangents:
         if field not in spec.fields:
             changes[field] = None
         elif spec.reduce is not None:
-            changes[field] = jax.tree.map(lambda x: _reduce_leaf(x, spec.reduce), value)
+            changes[field] = jax.tree_util.tree_map_with_path(
+                lambda path, x, field=field: _reduce_leaf(
+                    x,
+                    spec.reduce,
+                    f"layer {rec.name!r} (call {rec.call}), {field}{jax.tree_util.keystr(path)}",
+                ),
+                value,
+            )
     return rec.replace(**changes)

@@ -139,10 +139,10 @@ class Plan:
         self.sites: dict[tuple, Site] = {}
         self.by_key: dict[str, Site] = {}
         self.order: list[str] = []  # keys of every layer call, forward order
-        self.busy: set[tuple] = set()  # paths that hold an active call
+        self.busy: set[tuple] = set()  # paths that hold a layer call
         self.unreached: list[str] = []  # layer names inside programs the engine cannot rewrite
         self._counts: dict[str, int] = {}
-        self._walk(jaxpr, list(in_flags), (), (), False, True)
+        self._walk(jaxpr, list(in_flags), (), (), False, True, list(range(len(in_flags))))
 
     # -- queries
     def active(self) -> list[Site]:
@@ -243,8 +243,7 @@ class Plan:
             self.by_key[key] = site
             self.order.append(key)
         self.sites[p] = site
-        if site.active:
-            self.busy.update(p[:k] for k in range(len(p) + 1))
+        self.busy.update(p[:k] for k in range(len(p) + 1))  # every layer call is rewritten or inlined
         return self._walk(inner, ins, p, scans, in_cond, True, orig)
 
     def _scan(self, eqn, ins, p, scans, in_cond, register) -> list[bool]:
@@ -302,6 +301,9 @@ class Runner:
     def __init__(self, plan: Plan, log: list | None = None):
         self.plan = plan
         self.log = log
+        # Inside another vjpkit transform's trace (a hooked gradient inside a hooked loss), layer
+        # calls stay marked, so that the outer transform sees the forward calls of this one.
+        self.mark = _context.current() is _context.LAYERS
 
     def eval(self, jaxpr, consts, args, path, probes: dict, states: dict) -> tuple[list, dict]:
         env: dict[Any, Any] = {}
@@ -363,7 +365,14 @@ class Runner:
             return self.eval(inner.jaxpr, inner.consts, ops, p, pr, st)
 
         if not site.active:
+            if self.mark and not self.plan.under(p):
+                return _bind(eqn, invals), states
             return run_inner(invals, probes, states)
+        if self.mark and not self.plan.under(p):
+
+            def run_inner(ops, pr, st):
+                return _bind(eqn, ops), st
+
         pr, st = self._mine(p, probes, states)
         outs, state, st = _rule.hooked(
             site, run_inner, invals, probes.get(site.key), states.get(site.key), pr, st, self.log
@@ -422,11 +431,23 @@ class Traced:
     n_out: int
 
 
-def trace(config: _context.Config, flat_fun: Callable, leaves: Sequence) -> Traced:
-    """Traces ``flat_fun(*leaves) -> (out, aux)`` once with every layer call marked."""
+def trace(config: _context.Config, flat_fun: Callable, leaves: Sequence, extra: Any = ()) -> Traced:
+    """Traces ``flat_fun(*leaves) -> (out, aux)`` once with every layer call marked.
+
+    ``extra`` holds the values ``flat_fun`` closes over (the other arguments), to tell an eager
+    call from a traced one.
+    """
+
+    # Called eagerly (no argument is traced), what does not depend on the differentiated
+    # arguments is computed as it is written, as eager jax.grad does: a loss may read concrete
+    # values of its other arguments (int(y.max())).
+    eager = not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((leaves, extra)))
 
     def marked(*leaves):
         with _context.activate(_context.LAYERS):
+            if eager:
+                with jax.ensure_compile_time_eval():
+                    return flat_fun(*leaves)
             return flat_fun(*leaves)
 
     closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)

@@ -11,8 +11,9 @@ Contract:
 * Casting rule for seeds and tangents: a Python scalar, or a weakly typed JAX scalar such as
   ``jnp.asarray(2.0)``, adopts the dtype it is paired with, as it would in any JAX expression,
   when it is of the same kind (a real number for a real or complex dtype, a complex one for a
-  complex dtype) and has the right shape. Every other leaf must have exactly the expected
-  dtype: a committed dtype is never upcast or downcast.
+  complex dtype) and has the right shape. A numpy value has the dtype JAX gives it (a
+  ``float64`` array is ``float32`` unless ``jax_enable_x64`` is on), as in ``jax.vjp``. Every
+  other leaf must have exactly the expected dtype: a committed dtype is never upcast or downcast.
 * With ``hooks``, the transform opens a ``Scope`` while JAX traces
   ``fun``: ``vjp`` and ``jacobian(mode="rev")`` route matching layers through the custom_vjp
   rule (hooks get ``Cotangents``; the returned pullback keeps them, also when it runs
@@ -92,6 +93,10 @@ def _same_kind(expected: np.dtype, x: Any) -> bool:
 
 
 def _coerce_leaf(expected: jax.ShapeDtypeStruct, x: Any) -> Any:
+    if isinstance(x, (np.ndarray, np.generic)) and tuple(np.shape(x)) == tuple(expected.shape):
+        # As in jax.vjp: a numpy value has the dtype JAX gives it (float64 is float32 without x64).
+        if jax.dtypes.canonicalize_dtype(x.dtype) == np.dtype(expected.dtype):
+            return jnp.asarray(x, expected.dtype)
     if not _is_weak(x) or tuple(np.shape(x)) != tuple(expected.shape):
         return x
     if not _same_kind(np.dtype(expected.dtype), x):
@@ -349,7 +354,7 @@ def _hooked_vjp(f: Callable, primals: tuple, has_aux: bool, config: _context.Con
         out = f(*jax.tree.unflatten(tree, leaves))
         return (out[0], out[1]) if has_aux else (out, None)
 
-    traced = _engine.trace(config, flat, leaves)
+    traced = _engine.trace(config, flat, leaves, primals)
     config.check_matched(traced.plan.names)
     out, aux, pull = _engine.linearize(traced, leaves, None)
     wrapped = jax.tree_util.Partial(functools.partial(_pull, config, tree), pull)

@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from ._errors import ConfigError
+from ._errors import ConfigError, HookError
 from ._hooks import HookTransform
 from ._records import Cotangents
 
@@ -71,7 +72,24 @@ def zero(field: str | tuple[str, ...] = "grad_params") -> HookTransform:
 
 
 def _global_norm(tree: Any) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)))
+    """The l2 norm over all leaves, in float32 (complex leaves by their modulus)."""
+    return optax.tree_utils.tree_norm(jax.tree.map(_as_f32, tree)).astype(jnp.float32)
+
+
+def _as_f32(g: jax.Array) -> jax.Array:
+    return g.astype(jnp.complex64 if jnp.iscomplexobj(g) else jnp.float32)
+
+
+def _real_only(rec: Cotangents, what: str) -> None:
+    """Raises for complex ``grad_params``: a mean and a variance of them are not defined here."""
+    for path, g in jax.tree_util.tree_flatten_with_path(rec.grad_params)[0]:
+        if jnp.iscomplexobj(g):
+            raise HookError(
+                f"vk.{what} on layer {rec.name!r} (call {rec.call}), grad_params path "
+                f"{jax.tree_util.keystr(path)}: the gradient is complex ({g.dtype}), and {what} keeps "
+                "real running means and variances. Use it on real layers only (a glob that leaves "
+                "this layer out), or write a HookTransform for complex gradients."
+            )
 
 
 def clip_by_norm(max_norm: float, field: str | tuple[str, ...] = "grad_params") -> HookTransform:
@@ -86,7 +104,7 @@ def clip_by_norm(max_norm: float, field: str | tuple[str, ...] = "grad_params") 
 
     def clip(tree):
         factor = jnp.minimum(1.0, max_norm / jnp.maximum(_global_norm(tree), 1e-30))
-        return jax.tree.map(lambda g: g * factor.astype(g.dtype), tree)
+        return jax.tree.map(lambda g: g * factor.astype(g.dtype), tree)  # complex: a real factor
 
     return _stateless(fields, clip)
 
@@ -130,6 +148,7 @@ def ema_normalize(decay: float = 0.9, eps: float = 1e-8, center: bool = True) ->
     def update(rec, state):
         if rec.grad_params is None:
             return rec, state
+        _real_only(rec, "ema_normalize")
         count = state.count + 1.0
         d = jnp.float32(decay)
         mean = jax.tree.map(
@@ -181,7 +200,7 @@ def add_noise(key: jax.Array, stddev: float, field: str | tuple[str, ...] = "gra
             leaves, treedef = jax.tree.flatten(tree)
             keys = jax.random.split(step_key, max(len(leaves), 1))
             out = [
-                g + (stddev * jax.random.normal(k, g.shape, jnp.float32)).astype(g.dtype)
+                g + (stddev * jax.random.normal(k, g.shape, _as_f32(g).dtype)).astype(g.dtype)
                 for g, k in zip(leaves, keys)
             ]
             return jax.tree.unflatten(treedef, out)
@@ -222,6 +241,7 @@ def accumulate_stats() -> HookTransform:
     def update(rec, state):
         if rec.grad_params is None:
             return rec, state
+        _real_only(rec, "accumulate_stats")
         count = state.count + 1.0
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), rec.grad_params)
         delta = jax.tree.map(jnp.subtract, grads, state.mean)

@@ -123,7 +123,7 @@ def make_step(
 
 def init_hook_state(loss_fn: Callable, hooks: Any, capture: Any, params: Any, batch: Any) -> dict:
     """The initial ``hook_state`` for ``make_step``'s hooks (``{}`` when none keeps state)."""
-    from .._slots import init_hook_state as _init
+    from .._autodiff import init_hook_state as _init
 
     if hooks is None and capture is None:
         return {}
