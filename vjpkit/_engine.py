@@ -287,6 +287,26 @@ def _layer_names_in(params: dict) -> list[str]:
 
 # --- evaluation ------------------------------------------------------------------------------
 
+_JIT_CACHE: dict = {}
+_JIT_CACHE_SIZE = 64
+
+
+def _traced(tree: Any) -> bool:
+    """Whether any leaf is traced by something other than autodiff (so not an eager call)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.core.Tracer) and not _ad_only(leaf):
+            return True
+    return False
+
+
+def _ad_only(t: Any) -> bool:
+    while isinstance(t, jax.core.Tracer):
+        name = type(t).__name__
+        if name not in ("JVPTracer", "LinearizeTracer"):
+            return False
+        t = getattr(t, "primal", None)
+    return True
+
 
 def _bind(eqn: Any, invals: Sequence) -> list:
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -343,6 +363,8 @@ class Runner:
             return self._scan(eqn, invals, p, probes, states)
         if name == "cond":
             return self._cond(eqn, invals, p, probes, states)
+        if name in ("jit", "pjit") and self.log is None and not _traced((invals, probes, states)):
+            return self._jit(eqn, invals, p, probes, states)
         if name in ("jit", "pjit", "closed_call", "core_call"):
             inner = params["jaxpr"]
             return self.eval(inner.jaxpr, inner.consts, invals, p, probes, states)
@@ -356,6 +378,26 @@ class Runner:
             outs, st = remat(invals, pr, st)
             return outs, {**states, **st}
         return _bind(eqn, invals), states
+
+    def _jit(self, eqn, invals, p, probes, states) -> tuple[list, dict]:
+        """An inner ``jax.jit`` called eagerly stays one compiled call, cached per configuration."""
+        inner = eqn.params["jaxpr"]
+        sites = tuple((q[len(p) :], s.key) for q, s in self.plan.sites.items() if q[: len(p)] == p)
+        key = (self.plan.config.token, id(inner), sites, self.mark)
+        entry = _JIT_CACHE.get(key)
+        if entry is None:
+            runner = Runner(self.plan)  # an equivalent plan for this program and configuration
+
+            def body(invals, pr, st):
+                return runner.eval(inner.jaxpr, inner.consts, invals, p, pr, st)
+
+            entry = (inner, jax.jit(body))  # holding ``inner`` keeps its id from being reused
+            if len(_JIT_CACHE) >= _JIT_CACHE_SIZE:
+                _JIT_CACHE.pop(next(iter(_JIT_CACHE)))
+            _JIT_CACHE[key] = entry
+        pr, st = self._mine(p, probes, states)
+        outs, st = entry[1](invals, pr, st)
+        return outs, {**states, **st}
 
     def _layer(self, eqn, invals, p, probes, states) -> tuple[list, dict]:
         site = self.plan.sites[p]

@@ -1,0 +1,110 @@
+"""Eager (un-jitted) hooked calls against eager jax.grad, inner-jit retracing and memory.
+
+The forum MLP (3-20-30-2, batch 64) with its model applied through an inner ``jax.jit``, as
+research code often is. Each round times one eager ``vk.grad(loss, hooks={"fc*": ...})`` call
+and one eager ``jax.grad(loss)`` call, interleaved; the ratio is the median of per-round
+ratios. It also counts how often the inner jitted function is traced over the rounds, and the
+growth of the process's peak resident memory over ``calls`` more hooked calls.
+
+    python benchmarks/eager_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import vjpkit as vk
+from vjpkit import nn
+
+TARGET_RATIO = 3.0  # eager hooked vk.grad / eager jax.grad
+TARGET_TRACES = 1  # traces of the inner jit under one hook configuration
+TARGET_GROWTH_MB = 50.0  # peak memory growth over the extra calls (flat, up to allocator noise)
+
+
+def setup():
+    model = nn.serial(fc1=nn.dense(20), relu1=nn.relu(), fc2=nn.dense(30), relu2=nn.relu(), fc3=nn.dense(2))
+    x = jax.random.uniform(jax.random.key(0), (64, 3))
+    y = (x @ jnp.array([0.1, 2.0, 3.0]) > 2.5).astype(jnp.int32)
+    params = model.init(jax.random.key(1), x)
+    traces = []
+
+    @jax.jit
+    def forward(p, x):
+        traces.append(1)
+        return model.apply(p, x)
+
+    def loss(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(forward(p, x), y).mean()
+
+    return loss, (params, x, y), traces
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run(quick: bool = False) -> dict:
+    rounds, calls = (5, 50) if quick else (30, 1000)
+    loss, args, traces = setup()
+    hooked = vk.grad(loss, hooks={"fc*": lambda rec: None})
+    plain = jax.grad(loss)
+    jax.block_until_ready((hooked(*args), plain(*args)))  # first calls: compile the op-by-op kernels
+    hooked_traces_before = len(traces)
+    times = {"vk.grad, hooks, eager": [], "jax.grad, eager": []}
+    for _ in range(rounds):
+        for name, fn in (("vk.grad, hooks, eager", hooked), ("jax.grad, eager", plain)):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    inner_traces = len(traces) - hooked_traces_before + 1  # + the first hooked call's trace
+    before = _peak_mb()
+    for _ in range(calls):
+        jax.block_until_ready(hooked(*args))
+    growth = _peak_mb() - before
+    ratios = [h / p for h, p in zip(times["vk.grad, hooks, eager"], times["jax.grad, eager"])]
+    ratio = statistics.median(ratios)
+    return {
+        "title": "Eager calls: forum MLP 3-20-30-2, batch 64, model under an inner jax.jit",
+        "rounds": rounds,
+        "median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "ratio": ratio,
+        "inner_jit_traces": inner_traces,
+        "calls": calls,
+        "peak_memory_growth_mb": growth,
+        "targets": [
+            {"target": f"eager vk.grad with hooks / eager jax.grad <= {TARGET_RATIO:.0f}", "value": ratio,
+             "met": ratio <= TARGET_RATIO},
+            {"target": f"inner jax.jit traces over {rounds + 1} hooked calls <= {TARGET_TRACES}",
+             "value": float(inner_traces), "met": inner_traces <= TARGET_TRACES},
+            {"target": f"peak memory growth over {calls} more hooked calls <= {TARGET_GROWTH_MB:.0f} MB",
+             "value": growth, "met": growth <= TARGET_GROWTH_MB},
+        ],
+    }  # fmt: skip
+
+
+def markdown(res: dict) -> str:
+    lines = [f"\n**{res['title']}**\n", "| variant | median call (ms) |", "|---|---:|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in res["median_ms"].items()]
+    lines.append("")
+    for t in res["targets"]:
+        lines.append(f"- {t['target']}: {t['value']:.2f} ({'met' if t['met'] else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds and calls (a smoke run)")
+    res = run(parser.parse_args(argv).quick)
+    print(markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
