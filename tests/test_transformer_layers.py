@@ -1,0 +1,400 @@
+"""The layers a transformer needs: attention, rms_norm, batch_norm, conv1d, the GRU cell and rnn.
+
+References never go through vjpkit: each layer has a plain ``jnp`` re-implementation written
+here (explicit loops over heads, kernel taps and time steps), and a numpy forward where that is
+cheap. Records come from ``vk.grad(..., capture="*")`` and ``vk.on_host`` hooks and are compared
+with ``jax.vjp`` of the references, chained by hand; gradients also go through
+``jax.test_util.check_grads``. Tests taking ``maybe_jit`` run jitted and eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import vjpkit as vk
+from tests.helpers import tree_allclose
+from vjpkit import nn
+
+RTOL, ATOL = 1e-5, 1e-5
+EPS = 1e-2  # check_grads' finite-difference step (float32)
+
+
+def _normal(seed: int, shape, dtype=jnp.float32) -> jax.Array:
+    data = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return jnp.asarray(data).astype(dtype)
+
+
+def _rand_like(tree, seed: int = 7):
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [_normal(seed + i, a.shape, a.dtype) for i, a in enumerate(leaves)])
+
+
+def _params(layer, *inputs, seed: int = 7):
+    """Random params with init's structure (so scale is not all ones, stats not 0 and 1)."""
+    return _rand_like(jax.eval_shape(layer.init, jax.random.key(0), *inputs), seed)
+
+
+def _check_grads64(f, args, order=2):
+    """check_grads in float64 (default step): for layers whose second order float32 can't resolve."""
+    with jax.enable_x64(True):
+        up = lambda a: a.astype(jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a
+        check_grads(f, jax.tree.map(up, args), order=order, modes=["rev"])
+
+
+def _captured(loss, args, argnums, maybe_jit):
+    grads, captured = maybe_jit(vk.grad(loss, argnums=argnums, capture="*"))(*args)
+    return grads, captured
+
+
+def _check_record(rec, *, inp, output, grad_output, grad_input, grad_params):
+    tree_allclose(rec.input, inp, rtol=0, atol=0)
+    tree_allclose(rec.output, output, rtol=RTOL, atol=ATOL)
+    tree_allclose(rec.grad_output, grad_output, rtol=RTOL, atol=ATOL)
+    if grad_input is None:
+        assert rec.grad_input is None
+    else:
+        tree_allclose(rec.grad_input, grad_input, rtol=RTOL, atol=ATOL)
+    tree_allclose(rec.grad_params, grad_params, rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------------------ references
+
+
+def ref_rms_norm(p, x, eps=1e-6):
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * p["scale"]
+
+
+def ref_batch_norm_train(p, x, eps=1e-5):
+    axes = tuple(range(x.ndim - 1))
+    mean = jnp.mean(x, axis=axes)
+    var = jnp.mean((x - mean) ** 2, axis=axes)
+    return (x - mean) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def ref_batch_norm_eval(p, x, eps=1e-5):
+    stats = jax.lax.stop_gradient(p["batch_stats"])
+    return (x - stats["mean"]) / jnp.sqrt(stats["var"] + eps) * p["scale"] + p["bias"]
+
+
+def ref_conv1d(p, x, stride, padding):
+    """Sum over kernel taps of shifted slices: no lax.conv."""
+    k = p["weight"].shape[0]
+    n = x.shape[1]
+    if padding == "SAME":
+        out = -(-n // stride)
+        total = max((out - 1) * stride + k - n, 0)
+        lo, hi = total // 2, total - total // 2
+    elif padding == "VALID":
+        lo, hi = 0, 0
+    else:
+        (lo, hi), *_ = padding
+    xp = jnp.pad(x, ((0, 0), (lo, hi), (0, 0)))
+    out = (xp.shape[1] - k) // stride + 1
+    y = sum(xp[:, j : j + (out - 1) * stride + 1 : stride] @ p["weight"][j] for j in range(k))
+    return y + p["bias"] if "bias" in p else y
+
+
+def ref_attention(p, x, context=None, *, num_heads, causal=False, mask=None):
+    """Head by head, with explicit softmax; ``mask`` as (batch, kv_len) or 4-D broadcastable."""
+    src = x if context is None else context
+    q = x @ p["q"]["weight"] + p["q"]["bias"]
+    k = src @ p["k"]["weight"] + p["k"]["bias"]
+    v = src @ p["v"]["weight"] + p["v"]["bias"]
+    b, tq, tk = x.shape[0], x.shape[1], src.shape[1]
+    dh = q.shape[-1] // num_heads
+    allowed = jnp.ones((b, num_heads, tq, tk), bool)
+    if causal:
+        allowed = allowed & (jnp.arange(tk)[None, :] <= jnp.arange(tq)[:, None])
+    if mask is not None:
+        allowed = allowed & (mask[:, None, None, :] if mask.ndim == 2 else mask)
+    heads = []
+    for h in range(num_heads):
+        qh, kh, vh = (a[..., h * dh : (h + 1) * dh] for a in (q, k, v))
+        logits = jnp.einsum("bqd,bkd->bqk", qh, kh) / math.sqrt(dh)
+        logits = jnp.where(allowed[:, h], logits, -1e30)
+        e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        heads.append((e / jnp.sum(e, axis=-1, keepdims=True)) @ vh)
+    return jnp.concatenate(heads, axis=-1) @ p["out"]["weight"] + p["out"]["bias"]
+
+
+def ref_gru_cell(p, h, x):
+    f = h.shape[-1]
+    wi, wh, bi, bh = p["weight_ih"], p["weight_hh"], p["bias_ih"], p["bias_hh"]
+    gate = lambda j, a, w, b: a @ w[:, j * f : (j + 1) * f] + b[j * f : (j + 1) * f]
+    r = jax.nn.sigmoid(gate(0, x, wi, bi) + gate(0, h, wh, bh))
+    z = jax.nn.sigmoid(gate(1, x, wi, bi) + gate(1, h, wh, bh))
+    n = jnp.tanh(gate(2, x, wi, bi) + r * gate(2, h, wh, bh))
+    return (1 - z) * n + z * h
+
+
+def ref_rnn(p, xs, h0, reverse=False):
+    """The GRU unrolled in a Python loop: every state, in time order."""
+    h, hs = h0, [None] * xs.shape[1]
+    steps = range(xs.shape[1] - 1, -1, -1) if reverse else range(xs.shape[1])
+    for t in steps:
+        h = ref_gru_cell(p, h, xs[:, t])
+        hs[t] = h
+    return jnp.stack(hs, axis=1)
+
+
+# ---------------------------------------------------- single-input layers: norms, conv1d
+
+
+def _apply(layer, **kw):
+    return lambda p, x: layer.apply(p, x, **kw)
+
+
+def _bn_train(layer):
+    return lambda p, x: layer.apply(p, x, train=True)[0]
+
+
+_conv = functools.partial(ref_conv1d, stride=1, padding="SAME")
+_conv_s2 = functools.partial(ref_conv1d, stride=2, padding="SAME")
+_conv_valid_s2 = functools.partial(ref_conv1d, stride=2, padding="VALID")
+_conv_pads = functools.partial(ref_conv1d, stride=1, padding=[(2, 0)])
+_rms_1e3 = functools.partial(ref_rms_norm, eps=1e-3)
+
+SINGLE = [
+    # (id, make, record name, input shape, call(layer) -> f(p, x), reference f(p, x))
+    ("rms_norm_seq", lambda: nn.rms_norm(), "rms_norm", (3, 4, 6), _apply, ref_rms_norm),
+    ("rms_norm_2d", lambda: nn.rms_norm(eps=1e-3), "rms_norm", (5, 7), _apply, _rms_1e3),
+    ("batch_norm_eval", lambda: nn.batch_norm(), "batch_norm", (4, 3, 5), _apply, ref_batch_norm_eval),
+    ("batch_norm_train", lambda: nn.batch_norm(), "batch_norm", (6, 5), _bn_train, ref_batch_norm_train),
+    ("batch_norm_nhwc", lambda: nn.batch_norm(), "batch_norm", (2, 3, 3, 4), _bn_train, ref_batch_norm_train),
+    ("conv1d_same", lambda: nn.conv1d(4, 3), "conv1d", (2, 7, 3), _apply, _conv),
+    ("conv1d_same_s2", lambda: nn.conv1d(4, 4, stride=2), "conv1d", (2, 8, 3), _apply, _conv_s2),
+    ("conv1d_valid_s2", lambda: nn.conv1d(5, 3, 2, "VALID"), "conv1d", (3, 9, 2), _apply, _conv_valid_s2),
+    ("conv1d_pads", lambda: nn.conv1d(2, 3, 1, [(2, 0)], False), "conv1d", (2, 6, 3), _apply, _conv_pads),
+]  # fmt: skip
+
+
+def _setup(case):
+    _, make, name, shape, call, ref = case
+    layer = make()
+    x = _normal(1, shape)
+    params = _params(layer, x)
+    if "batch_stats" in params:  # a valid variance
+        params["batch_stats"]["var"] = jnp.abs(params["batch_stats"]["var"]) + 0.5
+    f = call(layer)
+    w_out = _normal(2, jax.eval_shape(f, params, x).shape)
+    return f, name, params, x, ref, w_out
+
+
+@pytest.mark.parametrize("case", SINGLE, ids=lambda c: c[0])
+def test_single_forward_matches_reference(case, maybe_jit):
+    f, _, params, x, ref, _ = _setup(case)
+    y = maybe_jit(f)(params, x)
+    assert y.dtype == x.dtype
+    tree_allclose(y, ref(params, x), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", SINGLE, ids=lambda c: c[0])
+def test_single_record_against_reference_vjp(case, maybe_jit):
+    f, name, params, x, ref, w_out = _setup(case)
+
+    def loss(p, x):
+        return jnp.sum(w_out * f(p, x))
+
+    grads, captured = _captured(loss, (params, x), (0, 1), maybe_jit)
+    assert sorted(captured) == [name]
+    y, vjp_fn = jax.vjp(ref, params, x)
+    gp, gx = vjp_fn(w_out)
+    _check_record(captured[name], inp=x, output=y, grad_output=w_out, grad_input=gx, grad_params=gp)
+    tree_allclose(grads, (gp, gx), rtol=RTOL, atol=ATOL)
+    tree_allclose(grads, jax.grad(loss, argnums=(0, 1))(params, x), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", SINGLE, ids=lambda c: c[0])
+def test_single_record_behind_another_layer(case, maybe_jit):
+    """Data input: no grad_input for the first layer; grad_input of the second is what the first gets."""
+    f, name, params, x, ref, w_out = _setup(case)
+    pre = nn.dense(x.shape[-1], name="pre")
+    pre_params = _params(pre, x, seed=3)
+
+    def loss(ps, x):
+        return jnp.sum(w_out * f(ps["layer"], pre.apply(ps["pre"], x)))
+
+    all_params = {"pre": pre_params, "layer": params}
+    grads, captured = _captured(loss, (all_params, x), 0, maybe_jit)
+    h, vjp_pre = jax.vjp(lambda p: x @ p["weight"] + p["bias"], pre_params)
+    y, vjp_layer = jax.vjp(ref, params, h)
+    gp, gh = vjp_layer(w_out)
+    (gpre,) = vjp_pre(gh)
+    _check_record(captured[name], inp=h, output=y, grad_output=w_out, grad_input=gh, grad_params=gp)
+    _check_record(captured["pre"], inp=x, output=h, grad_output=gh, grad_input=None, grad_params=gpre)
+    tree_allclose(grads, {"pre": gpre, "layer": gp}, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", SINGLE, ids=lambda c: c[0])
+def test_single_check_grads(case):
+    f, _, params, x, _, _ = _setup(case)
+    stats = params.pop("batch_stats", None)  # never differentiated: numerically they do matter
+    full = (lambda p, x: f({**p, "batch_stats": stats}, x)) if stats is not None else f
+    check_grads(full, (params, x), order=2, modes=["rev"], eps=EPS)
+
+
+# ------------------------------------------------------------------------------ attention
+
+B, T, D, H = 2, 5, 8, 2
+PAD = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)  # example 0 has 2 padding positions
+
+
+def _attn_setup(seed=0, **kw):
+    attn = nn.multi_head_attention(H, **kw)
+    x = _normal(seed + 1, (B, T, D))
+    return attn, _small(_params(attn, x, seed=seed + 10)), x
+
+
+def _small(params, factor=0.5):
+    """Init-sized weights: check_grads' second-order finite differences stay accurate in float32."""
+    return jax.tree.map(lambda a: a * factor, params)
+
+
+ATTN_CASES = [
+    ("self", {}, {}),
+    ("causal", {"causal": True}, {}),
+    ("padding", {}, {"mask": PAD}),
+    ("causal_padding", {"causal": True}, {"mask": PAD}),
+    ("mask_4d", {}, {"mask": np.tril(np.ones((T, T), bool))[None, None]}),
+    ("mask_4d_per_head", {}, {"mask": np.random.default_rng(0).random((B, H, T, T)) < 0.7}),
+    ("widths", {"features": 6, "out_features": 3}, {"mask": PAD}),
+]
+
+
+@pytest.mark.parametrize(("cid", "make_kw", "apply_kw"), ATTN_CASES, ids=[c[0] for c in ATTN_CASES])
+def test_attention_forward_matches_reference(cid, make_kw, apply_kw, maybe_jit):
+    attn, params, x = _attn_setup(**make_kw)
+    kw = {k: jnp.asarray(v) for k, v in apply_kw.items()}
+    y = maybe_jit(lambda p, x, kw: attn.apply(p, x, **kw))(params, x, kw)
+    expected = ref_attention(params, x, num_heads=H, causal=make_kw.get("causal", False), **kw)
+    tree_allclose(y, expected, rtol=RTOL, atol=ATOL)
+    assert y.shape == (B, T, make_kw.get("out_features", D))
+
+
+def test_cross_attention_forward_and_grads(maybe_jit):
+    attn = nn.multi_head_attention(H, causal=False)
+    x, ctx = _normal(1, (B, T, D)), _normal(2, (B, 3, 6))
+    params = _small(_params(attn, x, ctx))
+    assert params["k"]["weight"].shape == (6, D) and params["q"]["weight"].shape == (D, D)
+    mask = jnp.asarray(np.array([[1, 1, 0], [1, 1, 1]], bool))
+    y = maybe_jit(lambda p, x, c: attn.apply(p, x, c, mask=mask))(params, x, ctx)
+    ref = functools.partial(ref_attention, num_heads=H, mask=mask)
+    tree_allclose(y, ref(params, x, ctx), rtol=RTOL, atol=ATOL)
+    w_out = _normal(3, y.shape)
+
+    def loss(p, x, c):
+        return jnp.sum(w_out * attn.apply(p, x, c, mask=mask))
+
+    grads, captured = _captured(loss, (params, x, ctx), (0, 1, 2), maybe_jit)
+    _, vjp_fn = jax.vjp(ref, params, x, ctx)
+    tree_allclose(grads, vjp_fn(w_out), rtol=RTOL, atol=ATOL)
+    tree_allclose(captured["multi_head_attention/k"].input, ctx, rtol=0, atol=0)
+    _check_grads64(lambda p, x, c: attn.apply(p, x, c, mask=mask), (params, x, ctx))
+
+
+def _ref_core(q, k, v, allowed):
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    logits = jnp.where(allowed, logits, -1e30)
+    e = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    return jnp.einsum("bhqk,bkhd->bqhd", e / jnp.sum(e, axis=-1, keepdims=True), v)
+
+
+def test_attention_records_hand_chained(maybe_jit):
+    """Every part's record (q, k, v, dot_product, out) against jax.vjp of plain pieces, chained."""
+    attn, params, x = _attn_setup(causal=True)
+    mask = jnp.asarray(PAD)
+    w_out = _normal(5, (B, T, D))
+
+    def loss(p, x):
+        return jnp.sum(w_out * attn.apply(p, x, mask=mask))
+
+    grads, cap = _captured(loss, (params, x), (0, 1), maybe_jit)
+    prefix = "multi_head_attention/"
+    assert sorted(cap) == [prefix + n for n in ("dot_product", "k", "out", "q", "v")]
+
+    dense_ref = lambda p, a: a @ p["weight"] + p["bias"]
+    split = lambda a: a.reshape(B, T, H, D // H)
+    allowed = jnp.tril(jnp.ones((T, T), bool)) & mask[:, None, None, :]
+    proj, vjps = {}, {}
+    for n in ("q", "k", "v"):
+        proj[n], vjps[n] = jax.vjp(dense_ref, params[n], x)
+    heads, vjp_core = jax.vjp(lambda q, k, v: _ref_core(q, k, v, allowed), *(split(proj[n]) for n in "qkv"))
+    merged = heads.reshape(B, T, D)
+    y, vjp_out = jax.vjp(dense_ref, params["out"], merged)
+    g_out_params, g_merged = vjp_out(w_out)
+    g_heads = vjp_core(g_merged.reshape(B, T, H, D // H))
+    _check_record(
+        cap[prefix + "out"],
+        inp=merged,
+        output=y,
+        grad_output=w_out,
+        grad_input=g_merged,
+        grad_params=g_out_params,
+    )
+    _check_record(
+        cap[prefix + "dot_product"],
+        inp=tuple(split(proj[n]) for n in "qkv"),
+        output=heads,
+        grad_output=g_merged.reshape(B, T, H, D // H),
+        grad_input=g_heads,
+        grad_params={},
+    )
+    gx = 0.0
+    expected = {"out": g_out_params}
+    for n, g in zip("qkv", g_heads):
+        gp, gxn = vjps[n](g.reshape(B, T, D))
+        _check_record(
+            cap[prefix + n],
+            inp=x,
+            output=proj[n],
+            grad_output=g.reshape(B, T, D),
+            grad_input=gxn,
+            grad_params=gp,
+        )
+        expected[n], gx = gp, gx + gxn
+    tree_allclose(grads, (expected, gx), rtol=RTOL, atol=ATOL)
+
+
+def test_attention_in_serial_names_and_hooks(maybe_jit):
+    """A hook on "attn/q" sees the q projection; serial passes mask= to the attention only."""
+    model = nn.serial(attn=nn.multi_head_attention(H, causal=True), norm=nn.rms_norm(), fc=nn.dense(3))
+    x = _normal(1, (B, T, D))
+    params = model.init(jax.random.key(0), x)
+    assert sorted(params) == ["attn", "fc", "norm"] and sorted(params["attn"]) == ["k", "out", "q", "v"]
+    mask = jnp.asarray(PAD)
+
+    def loss(p, x):
+        return jnp.sum(model.apply(p, x, mask=mask) ** 2)
+
+    records = []
+    grads = maybe_jit(vk.grad(loss, hooks={"attn/q": vk.on_host(records.append)}))(params, x)
+    jax.block_until_ready(grads)
+    jax.effects_barrier()
+    assert [r.key for r in records] == ["attn/q"]
+    (rec,) = records
+    tree_allclose(rec.params, params["attn"]["q"], rtol=0, atol=0)
+    tree_allclose(rec.grad_params, grads["attn"]["q"], rtol=RTOL, atol=ATOL)
+    tree_allclose(grads, jax.grad(loss)(params, x), rtol=RTOL, atol=ATOL)
+    _, cap = vk.grad(loss, capture="*")(params, x)
+    assert sorted(cap) == ["attn/dot_product", "attn/k", "attn/out", "attn/q", "attn/v", "fc", "norm"]
+
+
+def test_attention_check_grads():
+    attn, params, x = _attn_setup(causal=True)
+    mask = jnp.asarray(PAD)
+    _check_grads64(lambda p, x: attn.apply(p, x, mask=mask), (params, x))
+
+
+def test_attention_fully_masked_query_is_finite(maybe_jit):
+    attn, params, x = _attn_setup()
+    mask = jnp.asarray(np.array([[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]], bool))
+    loss = lambda p, x: jnp.sum(attn.apply(p, x, mask=mask) ** 2)
+    value, grads = maybe_jit(vk.value_and_grad(loss, argnums=(0, 1)))(params, x)
+    assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves((value, grads)))
