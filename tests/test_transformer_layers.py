@@ -398,3 +398,299 @@ def test_attention_fully_masked_query_is_finite(maybe_jit):
     loss = lambda p, x: jnp.sum(attn.apply(p, x, mask=mask) ** 2)
     value, grads = maybe_jit(vk.value_and_grad(loss, argnums=(0, 1)))(params, x)
     assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves((value, grads)))
+
+
+# ---------------------------------------------------------------------------- GRU and rnn
+
+F = 4
+
+
+def _gru_setup(t=4, n_in=3, seed=0):
+    cell = nn.gru(F)
+    xs = _normal(seed + 1, (B, t, n_in))
+    h0 = _normal(seed + 2, (B, F))
+    params = _small(_params(cell, h0, xs[:, 0], seed=seed + 20))
+    return cell, params, xs, h0
+
+
+def test_gru_cell_record_against_reference(maybe_jit):
+    """One cell call outside scan: its record is jax.vjp of the reference cell, for (h, x) inputs."""
+    cell, params, xs, h0 = _gru_setup()
+    x = xs[:, 0]
+    assert jax.tree.map(jnp.shape, params) == {
+        "bias_hh": (3 * F,),
+        "bias_ih": (3 * F,),
+        "weight_hh": (F, 3 * F),
+        "weight_ih": (3, 3 * F),
+    }
+    y = maybe_jit(cell.apply)(params, h0, x)
+    tree_allclose(y, ref_gru_cell(params, h0, x), rtol=RTOL, atol=ATOL)
+    w_out = _normal(5, (B, F))
+
+    def loss(p, h, x):
+        return jnp.sum(w_out * cell.apply(p, h, x))
+
+    grads, cap = _captured(loss, (params, h0, x), (0, 1, 2), maybe_jit)
+    y, vjp_fn = jax.vjp(ref_gru_cell, params, h0, x)
+    gp, gh, gx = vjp_fn(w_out)
+    _check_record(cap["gru"], inp=(h0, x), output=y, grad_output=w_out, grad_input=(gh, gx), grad_params=gp)
+    tree_allclose(grads, (gp, gh, gx), rtol=RTOL, atol=ATOL)
+    # data x needs no gradient, h does: grad_input is (gh, None)
+    _, cap = _captured(loss, (params, h0, x), (0, 1), maybe_jit)
+    tree_allclose(cap["gru"].grad_input, (gh, None), rtol=RTOL, atol=ATOL)
+
+
+def test_gru_matches_torch_gru_cell_formula():
+    """The gate layout is PyTorch's GRUCell: (r, z, n) thirds, r applied to h @ W_hn + b_hn."""
+    cell, params, xs, h0 = _gru_setup()
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    x, h = np.asarray(xs[:, 0], np.float64), np.asarray(h0, np.float64)
+    sig = lambda a: 1 / (1 + np.exp(-a))
+    gi, gh = x @ p["weight_ih"] + p["bias_ih"], h @ p["weight_hh"] + p["bias_hh"]
+    r = sig(gi[:, :F] + gh[:, :F])
+    z = sig(gi[:, F : 2 * F] + gh[:, F : 2 * F])
+    n = np.tanh(gi[:, 2 * F :] + r * gh[:, 2 * F :])
+    np.testing.assert_allclose(cell.apply(params, h0, xs[:, 0]), (1 - z) * n + z * h, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "captured"])
+def test_rnn_gradients_against_unrolled_reference(reverse, hooked, maybe_jit):
+    """Gradients through lax.scan, with and without a vjpkit transform, equal the unrolled loop's."""
+    cell, params, xs, h0 = _gru_setup()
+    enc = nn.rnn(cell, F, reverse=reverse)
+    assert jax.tree.structure(enc.init(jax.random.key(0), xs)) == jax.tree.structure(params)
+    w_out = _normal(6, (B, xs.shape[1], F))
+
+    def loss(p, xs, h0):
+        return jnp.sum(w_out * enc.apply(p, xs, h0=h0))
+
+    ref = functools.partial(ref_rnn, reverse=reverse)
+    hs = maybe_jit(lambda p, xs, h0: enc.apply(p, xs, h0=h0))(params, xs, h0)
+    tree_allclose(hs, ref(params, xs, h0), rtol=RTOL, atol=ATOL)
+    _, vjp_fn = jax.vjp(ref, params, xs, h0)
+    expected = vjp_fn(w_out)
+    if hooked:
+        grads, cap = _captured(loss, (params, xs, h0), (0, 1, 2), maybe_jit)
+        assert sorted(cap) == ["gru"]  # (its fields under scan are the core's business)
+    else:
+        grads = maybe_jit(vk.grad(loss, argnums=(0, 1, 2)))(params, xs, h0)
+    tree_allclose(grads, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_rnn_last_state_zero_h0_and_in_serial(maybe_jit):
+    cell, params, xs, _ = _gru_setup()
+    model = nn.serial(enc=nn.rnn(cell, F, return_sequences=False), head=nn.dense(2))
+    mparams = model.init(jax.random.key(0), xs)
+    mparams["enc"] = params
+    zeros = jnp.zeros((B, F))
+
+    def loss(p, xs):
+        return jnp.sum(model.apply(p, xs) ** 2)
+
+    def ref_loss(p, xs):
+        last = ref_rnn(p["enc"], xs, zeros)[:, -1]
+        return jnp.sum((last @ p["head"]["weight"] + p["head"]["bias"]) ** 2)
+
+    grads, cap = _captured(loss, (mparams, xs), 0, maybe_jit)
+    assert sorted(cap) == ["enc", "head"]
+    tree_allclose(grads, jax.grad(ref_loss)(mparams, xs), rtol=RTOL, atol=ATOL)
+    head_in = ref_rnn(params, xs, zeros)[:, -1]
+    tree_allclose(cap["head"].input, head_in, rtol=RTOL, atol=ATOL)
+
+
+def test_rnn_check_grads():
+    cell, params, xs, h0 = _gru_setup(t=3)
+    enc = nn.rnn(cell, F)
+    _check_grads64(lambda p, xs, h0: enc.apply(p, xs, h0=h0), (params, xs, h0))
+
+
+# ------------------------------------------------------------------ batch_norm's running stats
+
+
+def test_batch_norm_running_stats(maybe_jit):
+    bn = nn.batch_norm(momentum=0.8)
+    x = _normal(1, (6, 3, 4)) * 2.0 + 1.0
+    params = bn.init(jax.random.key(0), x)
+    tree_allclose(params["batch_stats"], {"mean": jnp.zeros(4), "var": jnp.ones(4)}, rtol=0, atol=0)
+    y, stats = maybe_jit(functools.partial(bn.apply, train=True))(params, x)
+    xn = np.asarray(x, np.float64).reshape(-1, 4)
+    expected = {"mean": 0.2 * xn.mean(0), "var": 0.8 + 0.2 * xn.var(0)}
+    tree_allclose(jax.tree.map(lambda a: np.asarray(a, np.float64), stats), expected, rtol=1e-5, atol=1e-6)
+    tree_allclose(y, ref_batch_norm_train(params, x), rtol=RTOL, atol=ATOL)
+    # eval mode uses the running statistics and returns y alone
+    params = {**params, "batch_stats": stats}
+    y_eval = maybe_jit(bn.apply)(params, x)
+    tree_allclose(y_eval, ref_batch_norm_eval(params, x), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_batch_norm_stats_get_zero_gradient(train, maybe_jit):
+    bn = nn.batch_norm()
+    x = _normal(1, (5, 3))
+    params = _params(bn, x)
+    params["batch_stats"]["var"] = jnp.abs(params["batch_stats"]["var"]) + 0.5
+
+    def loss(p, x):
+        out = bn.apply(p, x, train=train)
+        y, stats = out if train else (out, None)
+        # the new stats are data, not a path for gradients, even when the loss uses them
+        extra = 0.0 if stats is None else jnp.sum(stats["mean"] * stats["var"])
+        return jnp.sum(jnp.sin(y)) + extra
+
+    for grads in (jax.grad(loss)(params, x), maybe_jit(vk.grad(loss))(params, x)):
+        tree_allclose(
+            grads["batch_stats"], jax.tree.map(jnp.zeros_like, params["batch_stats"]), rtol=0, atol=0
+        )
+        assert float(jnp.abs(grads["scale"]).sum()) > 0
+
+
+def test_batch_norm_train_step_writes_stats_back(maybe_jit):
+    """A training step: grads for scale/bias, new stats written over the params' ones."""
+    bn, fc = nn.batch_norm(), nn.dense(1)
+    x = _normal(1, (8, 3))
+    params = {"bn": bn.init(jax.random.key(0), x), "fc": fc.init(jax.random.key(1), x)}
+
+    @maybe_jit
+    def step(params, x):
+        def loss(p):
+            y, stats = bn.apply(p["bn"], x, train=True)
+            return jnp.mean(fc.apply(p["fc"], y) ** 2), stats
+
+        grads, stats = vk.grad(loss, has_aux=True)(params)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return {**params, "bn": {**params["bn"], "batch_stats": stats}}
+
+    new = step(params, x)
+    expected_mean = 0.1 * np.asarray(x, np.float64).mean(0)
+    np.testing.assert_allclose(new["bn"]["batch_stats"]["mean"], expected_mean, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(new["bn"]["scale"], params["bn"]["scale"])
+
+
+# --------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: nn.multi_head_attention(0),
+            r"nn.multi_head_attention: num_heads must be a positive int, got 0",
+        ),
+        (lambda: nn.multi_head_attention(3, features=8), r"num_heads=3 must divide features=8"),
+        (lambda: nn.multi_head_attention(2, causal="yes"), r"causal must be a bool"),
+        (lambda: nn.multi_head_attention(2, name="a/b"), r"contains '/'"),
+        (lambda: nn.rms_norm(eps=0.0), r"nn.rms_norm: eps must be a positive number, got 0.0"),
+        (lambda: nn.batch_norm(momentum=1.0), r"nn.batch_norm: momentum must be in \[0, 1\), got 1.0"),
+        (lambda: nn.conv1d(4, 0), r"nn.conv1d: kernel_size must be a positive int, got 0"),
+        (lambda: nn.conv1d(4, 3, stride=(2,)), r"nn.conv1d: stride must be a positive int, got \(2,\)"),
+        (
+            lambda: nn.conv1d(4, 3, padding="FULL"),
+            r"nn.conv1d: padding must be 'SAME', 'VALID' or \[\(lo, hi\)\]",
+        ),
+        (lambda: nn.gru(0), r"nn.gru: features must be a positive int, got 0"),
+        (lambda: nn.rnn(lambda p, h, x: h, 4), r"nn.rnn needs a cell nn.Layer"),
+    ],
+)
+def test_bad_construction_raises_config_error(make, match):
+    with pytest.raises(vk.ConfigError, match=match):
+        make()
+
+
+def _attn_params():
+    attn = nn.multi_head_attention(2)
+    return attn, attn.init(jax.random.key(0), jnp.ones((2, 5, 8)))
+
+
+def _mha(*args, **kwargs):
+    attn, params = _attn_params()
+    return attn.apply(params, *args, **kwargs)
+
+
+def _bn_params():
+    return nn.batch_norm().init(jax.random.key(0), jnp.ones((2, 5)))
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (
+            lambda: nn.multi_head_attention(3).init(jax.random.key(0), jnp.ones((2, 5, 8))),
+            r"num_heads=3 must divide features=8 \(from x's last axis, shape \(2, 5, 8\) float32\)",
+        ),
+        (
+            lambda: _mha(jnp.ones((5, 8))),
+            r"multi_head_attention: x must be a float array \(batch, q_len, features\), got shape \(5, 8\) "
+            "float32",
+        ),
+        (
+            lambda: _mha(jnp.ones((2, 5, 8)), mask=jnp.ones((2, 5))),
+            r"mask must be a boolean array.*got shape \(2, 5\) float32",
+        ),
+        (
+            lambda: _attn_params()[0].apply(
+                _attn_params()[1], jnp.ones((2, 5, 8)), mask=jnp.ones((2, 4), bool)
+            ),
+            r"mask has shape \(2, 4\) bool; expected \(batch, kv_len\) = \(2, 5\) or a shape broadcastable "
+            r"to \(batch, heads, q_len, kv_len\) = \(2, 2, 5, 5\)",
+        ),
+        (
+            lambda: _mha(jnp.ones((2, 5, 8)), jnp.ones((3, 4, 8))),
+            r"context has batch 3 \(shape \(3, 4, 8\) float32\) but x has batch 2",
+        ),
+        (
+            lambda: nn.rms_norm().apply({"scale": jnp.ones(4)}, jnp.ones((2, 5))),
+            r"nn.rms_norm: params\['scale'\] has shape \(4,\) but the input has 5 features",
+        ),
+        (
+            lambda: nn.rms_norm().apply({"scale": jnp.ones(5)}, jnp.ones((2, 5), jnp.int32)),
+            r"nn.rms_norm: expects a float input .* got shape \(2, 5\) int32",
+        ),
+        (
+            lambda: nn.batch_norm().init(jax.random.key(0), jnp.ones((5,))),
+            r"nn.batch_norm: expects a float input \(batch, ..., features\) with at least 2 axes, got "
+            r"shape \(5,\)",
+        ),
+        (
+            lambda: nn.batch_norm().apply({"scale": jnp.ones(5)}, jnp.ones((2, 5))),
+            r"nn.batch_norm: params must hold batch_stats",
+        ),
+        (
+            lambda: nn.batch_norm().apply(
+                nn.batch_norm().init(jax.random.key(0), jnp.ones((2, 5))),
+                jnp.ones((2, 5)),
+                train=jnp.array(True),
+            ),
+            r"nn.batch_norm: train must be a Python bool, got ArrayImpl",
+        ),
+        (
+            lambda: nn.conv1d(4, 3).init(jax.random.key(0), jnp.ones((2, 8, 8, 3))),
+            r"nn.conv1d: expects NWC input \(batch, length, channels\), got shape \(2, 8, 8, 3\) float32",
+        ),
+        (
+            lambda: nn.conv1d(4, 3).apply(
+                nn.conv1d(4, 3).init(jax.random.key(0), jnp.ones((2, 8, 3))), jnp.ones((2, 8, 2))
+            ),
+            r"nn.conv1d: the input has 2 channels \(shape \(2, 8, 2\)\) but weight \(3, 3, 4\) expects 3",
+        ),
+        (
+            lambda: nn.gru(4).init(jax.random.key(0), jnp.ones((2, 3)), jnp.ones((2, 5))),
+            r"nn.gru: h must have shape \(batch, features\) = \(2, 4\), got shape \(2, 3\) float32",
+        ),
+        (
+            lambda: nn.rnn(nn.gru(4), 4).init(jax.random.key(0), jnp.ones((2, 5))),
+            r"nn.rnn: xs must be a float array \(batch, time, in\), got shape \(2, 5\) float32",
+        ),
+    ],
+)
+def test_bad_input_raises_config_error(call, match):
+    with pytest.raises(vk.ConfigError, match=match):
+        call()
+
+
+def test_bad_input_under_jit_and_vk_grad_names_the_layer():
+    attn, params = _attn_params()
+    x = jnp.ones((2, 5, 8))
+    loss = lambda p, x, m: jnp.sum(attn.apply(p, x, mask=m))
+    with pytest.raises(vk.ConfigError, match=r"nn.multi_head_attention: mask must be a boolean array"):
+        jax.jit(vk.grad(loss))(params, x, jnp.ones((2, 5), jnp.int32))
