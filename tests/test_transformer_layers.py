@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,9 @@ from jax.test_util import check_grads
 
 import vjpkit as vk
 from tests.helpers import tree_allclose
+from tests.test_per_example import assert_norms_match
 from vjpkit import nn
+from vjpkit.inspect import dp_clip, per_example_grad_norms
 
 RTOL, ATOL = 1e-5, 1e-5
 EPS = 1e-2  # check_grads' finite-difference step (float32)
@@ -694,3 +697,106 @@ def test_bad_input_under_jit_and_vk_grad_names_the_layer():
     loss = lambda p, x, m: jnp.sum(attn.apply(p, x, mask=m))
     with pytest.raises(vk.ConfigError, match=r"nn.multi_head_attention: mask must be a boolean array"):
         jax.jit(vk.grad(loss))(params, x, jnp.ones((2, 5), jnp.int32))
+
+
+# ------------------------------------------------------------------- per-example fast paths
+
+
+def _per_example_setup(model, x, seed=0):
+    params = _small(_params(model, x, seed=seed + 30), 0.7)
+    y = jnp.asarray(np.random.default_rng(seed).integers(0, 3, x.shape[0]), jnp.int32)
+
+    def loss(p, x, y):
+        logits = jnp.mean(model.apply(p, x), axis=1)  # pool over time
+        return jnp.mean(jax.nn.logsumexp(logits, 1) - jnp.take_along_axis(logits, y[:, None], 1)[:, 0])
+
+    return params, y, loss
+
+
+def _bn_eval_params(params):
+    """Positive running variances: the eval-mode batch_norm needs var + eps > 0."""
+    stats = params["bn"]["batch_stats"]
+    return {**params, "bn": {**params["bn"], "batch_stats": {**stats, "var": jnp.abs(stats["var"]) + 0.5}}}
+
+
+def test_per_example_fast_paths_match_vmap_grad(maybe_jit):
+    """conv1d, rms_norm, attention (its projections) and eval batch_norm: no fallback, 1e-5."""
+    model = nn.serial(
+        conv=nn.conv1d(8, 3, stride=2),
+        rms=nn.rms_norm(),
+        attn=nn.multi_head_attention(2, causal=True),
+        bn=nn.batch_norm(),
+        head=nn.dense(3),
+    )
+    x = _normal(1, (6, 9, 4))
+    params, y, loss = _per_example_setup(model, x)
+    params = _bn_eval_params(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warns: there must be none
+        _, grads, norms = maybe_jit(per_example_grad_norms(loss))(params, x, y)
+    owners = {"bn/batch_stats/mean": "bn", "bn/batch_stats/var": "bn"}  # layers own nested leaves
+    assert_norms_match(norms, loss, params, x, y, owners=owners)
+    assert sorted(norms.layers) == sorted(
+        ["conv", "rms", "attn/q", "attn/k", "attn/v", "attn/out", "bn", "head"]
+    )
+    tree_allclose(grads, jax.grad(loss)(params, x, y), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_per_example_norm_layers_shared_and_summed(reduction):
+    """One rms_norm applied twice (weight sharing), and conv1d with explicit padding, sum reduction."""
+    conv, rms = nn.conv1d(5, 2, 1, [(1, 0)], name="conv"), nn.rms_norm(name="rms")
+    head = nn.dense(3, name="head")
+    x = _normal(2, (5, 7, 5))
+
+    def model_apply(p, x):
+        h = rms.apply(p["rms"], conv.apply(p["conv"], rms.apply(p["rms"], x)))
+        return head.apply(p["head"], h)
+
+    model = nn.Layer(
+        lambda key, x: {
+            "conv": conv.init(key, x),
+            "rms": rms.init(key, x),
+            "head": head.init(key, x),
+        },
+        model_apply,
+    )
+    params, y, mean_loss = _per_example_setup(model, x, seed=3)
+    loss = mean_loss if reduction == "mean" else (lambda p, x, y: mean_loss(p, x, y) * x.shape[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # (1, 0) is not what SAME would pick, (0, 1): inferred, the check catches it (NaN)
+        pads = {"conv": (1, [(1, 0)])}
+        _, _, norms = jax.jit(per_example_grad_norms(loss, reduction=reduction, conv=pads))(params, x, y)
+    assert_norms_match(norms, loss, params, x, y)
+    assert sorted(norms.layers) == ["conv", "head", "rms"]
+    _, _, inferred = jax.jit(per_example_grad_norms(loss, reduction=reduction))(params, x, y)
+    assert bool(jnp.all(jnp.isnan(inferred.layers["conv"])))
+    assert not bool(jnp.any(jnp.isnan(inferred.layers["rms"])))
+
+
+def test_per_example_dp_clip_with_norms_and_attention():
+    """dp_clip's clipped sums use the same per-example gradients: equal to a naive vmap(grad) DP."""
+    model = nn.serial(attn=nn.multi_head_attention(2), rms=nn.rms_norm(), head=nn.dense(3))
+    x = _normal(4, (5, 4, 6))
+    params, y, loss = _per_example_setup(model, x, seed=5)
+    clip = 0.5
+    key = jax.random.key(3)
+    _, grads, _ = jax.jit(dp_clip(clip, 0.0, key)(loss))(params, x, y, step=0)
+    g = jax.jit(jax.vmap(jax.grad(lambda p, x, y: loss(p, x[None], y[None])), in_axes=(None, 0, 0)))(
+        params, x, y
+    )
+    norms = jnp.sqrt(sum(jnp.sum(a.reshape(a.shape[0], -1) ** 2, axis=1) for a in jax.tree.leaves(g)))
+    factor = jnp.minimum(1.0, clip / norms)
+    expected = jax.tree.map(lambda a: jnp.tensordot(factor, a, axes=1) / x.shape[0], g)
+    tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_per_example_recurrent_and_train_batch_norm_fall_back():
+    """The GRU (inside lax.scan) has no fast path: it falls back, with a warning, and is exact."""
+    model = nn.serial(enc=nn.rnn(nn.gru(4), 4), head=nn.dense(3))
+    x = _normal(6, (4, 3, 2))
+    params, y, loss = _per_example_setup(model, x, seed=7)
+    with pytest.warns(UserWarning, match=r"'enc' \(no fast path"):
+        _, _, norms = jax.jit(per_example_grad_norms(loss))(params, x, y)
+    assert_norms_match(norms, loss, params, x, y)
