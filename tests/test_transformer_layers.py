@@ -800,3 +800,49 @@ def test_per_example_recurrent_and_train_batch_norm_fall_back():
     with pytest.warns(UserWarning, match=r"'enc' \(no fast path"):
         _, _, norms = jax.jit(per_example_grad_norms(loss))(params, x, y)
     assert_norms_match(norms, loss, params, x, y)
+
+
+# ------------------------------------------------------------- plain transforms and dtypes
+
+
+def _stack():
+    return nn.serial(
+        conv=nn.conv1d(8, 3),
+        attn=nn.multi_head_attention(2, causal=True),
+        rms=nn.rms_norm(),
+        bn=nn.batch_norm(),
+        enc=nn.rnn(nn.gru(4), 4),
+        fc=nn.dense(3),
+    )
+
+
+def test_plain_transforms_and_vk_jvp_on_a_stack(maybe_jit):
+    """Outside vjpkit transforms the layers are plain JAX (jvp, vmap); vk.jvp and vk.hvp run too."""
+    model = _stack()
+    x = _normal(1, (B, T, D))
+    mask = jnp.asarray(PAD)
+    params = model.init(jax.random.key(0), x)
+    f = lambda p, x: model.apply(p, x, mask=mask)
+    t = _rand_like(params, seed=40)
+    y, ty = maybe_jit(lambda p, t: jax.jvp(lambda p: f(p, x), (p,), (t,)))(params, t)
+    y2, ty2 = maybe_jit(lambda p, t: vk.jvp(lambda p: f(p, x), (p,), (t,)))(params, t)
+    tree_allclose((y2, ty2), (y, ty), rtol=RTOL, atol=ATOL)
+    # batch norm in eval mode and attention with a padding mask are per-example: vmap agrees
+    one = lambda xi, mi: model.apply(params, xi[None], mask=mi[None])[0]
+    tree_allclose(maybe_jit(jax.vmap(one))(x, mask), y, rtol=RTOL, atol=ATOL)
+    hvp = vk.hvp(lambda p: jnp.sum(f(p, x) ** 2), (params,), t)
+    expected = jax.jvp(jax.grad(lambda p: jnp.sum(f(p, x) ** 2)), (params,), (t,))[1]
+    tree_allclose(hvp, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_stays_bfloat16(maybe_jit):
+    model = _stack()
+    x = _normal(1, (B, T, D), jnp.bfloat16)
+    params = model.init(jax.random.key(0), x)
+    assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    y = maybe_jit(model.apply)(params, x)
+    assert y.dtype == jnp.bfloat16
+    grads = maybe_jit(vk.grad(lambda p, x: jnp.sum(model.apply(p, x).astype(jnp.float32))))(params, x)
+    assert jax.tree.map(lambda a: a.dtype, grads) == jax.tree.map(lambda a: a.dtype, params)
+    _, y_train = nn.batch_norm().apply(nn.batch_norm().init(jax.random.key(0), x), x, train=True)
+    assert {a.dtype for a in jax.tree.leaves(y_train)} == {jnp.dtype(jnp.bfloat16)}
