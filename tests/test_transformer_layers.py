@@ -299,6 +299,13 @@ def test_cross_attention_forward_and_grads(maybe_jit):
     _, vjp_fn = jax.vjp(ref, params, x, ctx)
     tree_allclose(grads, vjp_fn(w_out), rtol=RTOL, atol=ATOL)
     tree_allclose(captured["multi_head_attention/k"].input, ctx, rtol=0, atol=0)
+
+
+def test_cross_attention_check_grads():
+    attn = nn.multi_head_attention(H)
+    x, ctx = _normal(1, (B, T, D)), _normal(2, (B, 3, 6))
+    params = _small(_params(attn, x, ctx))
+    mask = jnp.asarray(np.array([[1, 1, 0], [1, 1, 1]], bool))
     _check_grads64(lambda p, x, c: attn.apply(p, x, c, mask=mask), (params, x, ctx))
 
 
@@ -816,6 +823,7 @@ def _stack():
     )
 
 
+@pytest.mark.slow
 def test_plain_transforms_and_vk_jvp_on_a_stack(maybe_jit):
     """Outside vjpkit transforms the layers are plain JAX (jvp, vmap); vk.jvp and vk.hvp run too."""
     model = _stack()
@@ -835,6 +843,7 @@ def test_plain_transforms_and_vk_jvp_on_a_stack(maybe_jit):
     tree_allclose(hvp, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_bfloat16_stays_bfloat16(maybe_jit):
     model = _stack()
     x = _normal(1, (B, T, D), jnp.bfloat16)
