@@ -402,6 +402,16 @@ def test_attention_check_grads():
     _check_grads64(lambda p, x: attn.apply(p, x, mask=mask), (params, x))
 
 
+def test_attention_numpy_mask_equals_jax_mask(maybe_jit):
+    attn, params, x = _attn_setup(causal=True)
+    y_np = maybe_jit(lambda p, x: attn.apply(p, x, mask=PAD))(params, x)
+    tree_allclose(y_np, attn.apply(params, x, mask=jnp.asarray(PAD)), rtol=0, atol=0)
+    g = vk.grad(lambda p, x: jnp.sum(attn.apply(p, x, mask=PAD)), hooks={"*": lambda rec: None})(params, x)
+    tree_allclose(
+        g, jax.grad(lambda p, x: jnp.sum(attn.apply(p, x, mask=PAD)))(params, x), rtol=RTOL, atol=ATOL
+    )
+
+
 def test_attention_fully_masked_query_is_finite(maybe_jit):
     attn, params, x = _attn_setup()
     mask = jnp.asarray(np.array([[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]], bool))
@@ -647,6 +657,10 @@ def _bn_params():
         (
             lambda: _mha(jnp.ones((2, 5, 8)), jnp.ones((3, 4, 8))),
             r"context has batch 3 \(shape \(3, 4, 8\) float32\) but x has batch 2",
+        ),
+        (
+            lambda: _mha(jnp.ones((2, 5, 6))),
+            r"params\['q'\]\['weight'\] must be \(in, features\) with in = 6 .* got shape \(8, 8\) float32",
         ),
         (
             lambda: nn.rms_norm().apply({"scale": jnp.ones(4)}, jnp.ones((2, 5))),

@@ -149,6 +149,17 @@ def multi_head_attention(
             "out": dense(n_out, use_bias, dtype=dtype).init(ko, mid),
         }
 
+    def check_params(params, x, src):
+        for part, inp in (("q", x), ("k", src), ("v", src)):
+            w = params[part].get("weight") if isinstance(params[part], dict) else None
+            if w is None or len(w.shape) != 2 or w.shape[0] != inp.shape[-1] or w.shape[1] % num_heads:
+                got = _describe(w) if w is not None else repr(params[part])
+                raise ConfigError(
+                    f"{what}: params[{part!r}]['weight'] must be (in, features) with in = "
+                    f"{inp.shape[-1]} (the input's last axis) and features divisible by "
+                    f"num_heads={num_heads}; got {got}. Were these params made by init on another input?"
+                )
+
     def check_mask(mask, b, tq, tk):
         if mask is None:
             return None
@@ -160,6 +171,7 @@ def multi_head_attention(
                 f"kv_len) = {(b, tk)} or broadcastable to (batch, heads, q_len, kv_len) = {full}; "
                 f"got {_describe(mask)}."
             )
+        mask = jnp.asarray(mask)
         if shape == (b, tk):
             return mask[:, None, None, :]
         if len(shape) == 4 and all(s in (1, f) for s, f in zip(shape, full)):
@@ -176,6 +188,7 @@ def multi_head_attention(
             got = sorted(params) if isinstance(params, dict) else type(params).__name__
             raise ConfigError(f"{what}: params must be {{'q', 'k', 'v', 'out'}} (made by init), got {got}.")
         src = x if context is None else context
+        check_params(params, x, src)
         b, tq, tk = x.shape[0], x.shape[1], src.shape[1]
         mask = check_mask(mask, b, tq, tk)
         parts = {p: dense(width, use_bias) for p in ("q", "k", "v")}
