@@ -135,6 +135,23 @@ def name_scope(name: str) -> Iterator[None]:
         path.pop()
 
 
+@contextlib.contextmanager
+def tracing(name: str) -> Iterator[None]:
+    """Marks that the function of layer call ``name`` is being traced (``_primitive.bind``)."""
+    layers = _stack("layers")
+    layers.append(name)
+    try:
+        yield
+    finally:
+        layers.pop()
+
+
+def tracing_layer() -> str | None:
+    """The name of the innermost layer whose function is being traced, or ``None``."""
+    layers = _stack("layers")
+    return layers[-1] if layers else None
+
+
 def layer_path(default: str) -> str:
     """The current layer's full name; ``default`` when no combinator has named it."""
     path = _stack("path")

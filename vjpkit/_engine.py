@@ -293,10 +293,7 @@ _JIT_CACHE_SIZE = 64
 
 def _traced(tree: Any) -> bool:
     """Whether any leaf is traced by something other than autodiff (so not an eager call)."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.core.Tracer) and not _ad_only(leaf):
-            return True
-    return False
+    return any(isinstance(leaf, jax.core.Tracer) and not _ad_only(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def _ad_only(t: Any) -> bool:

@@ -93,10 +93,10 @@ def _same_kind(expected: np.dtype, x: Any) -> bool:
 
 
 def _coerce_leaf(expected: jax.ShapeDtypeStruct, x: Any) -> Any:
-    if isinstance(x, (np.ndarray, np.generic)) and tuple(np.shape(x)) == tuple(expected.shape):
-        # As in jax.vjp: a numpy value has the dtype JAX gives it (float64 is float32 without x64).
-        if jax.dtypes.canonicalize_dtype(x.dtype) == np.dtype(expected.dtype):
-            return jnp.asarray(x, expected.dtype)
+    # As in jax.vjp: a numpy value has the dtype JAX gives it (float64 is float32 without x64).
+    numpy_value = isinstance(x, (np.ndarray, np.generic)) and tuple(np.shape(x)) == tuple(expected.shape)
+    if numpy_value and jax.dtypes.canonicalize_dtype(x.dtype) == np.dtype(expected.dtype):
+        return jnp.asarray(x, expected.dtype)
     if not _is_weak(x) or tuple(np.shape(x)) != tuple(expected.shape):
         return x
     if not _same_kind(np.dtype(expected.dtype), x):

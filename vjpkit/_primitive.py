@@ -25,6 +25,7 @@ import jax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
+from . import _context
 from ._trees import split_kwargs
 
 layer_p = jcore.Primitive("vjpkit_layer")
@@ -84,7 +85,8 @@ def bind(fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict) -> A
         p, xs, kw = jax.tree.unflatten(tree, leaves)
         return fn(p, *xs, **kw, **static)
 
-    closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
+    with _context.tracing(name):
+        closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
     closed, hoisted = _hoist(closed)
     out_tree = jax.tree.structure(out_shape)
     outs = layer_p.bind(

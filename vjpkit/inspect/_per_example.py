@@ -22,11 +22,19 @@ How each parameter leaf's per-example gradient is handled:
   several calls, stacked on ``T``) ``<X_i X_i^T, D_i D_i^T>`` when ``T^2 <= in*out``, else the
   per-example weight gradient of *that layer only* ``X_i^T D_i`` (the cheaper of the two: the
   "mixed ghost norm"). The bias gradient is ``sum_t d_it``.
-* conv2d (NHWC ``weight (kh, kw, in, out)``): stride and padding are not in the record, so
-  they are inferred from the shapes (SAME preferred, then VALID, smallest stride), or given with
-  ``conv={glob: (stride, padding)}``. The per-example kernel gradients of that layer are then
-  computed exactly as a vmapped vjp of ``lax.conv_general_dilated`` per example (XLA turns it
-  into one grouped convolution): ``B * kh*kw*in*out`` floats for that layer, no more.
+* conv2d (NHWC ``weight (kh, kw, in, out)``) and conv1d (NWC ``weight (k, in, out)``): stride
+  and padding are not in the record, so they are inferred from the shapes (SAME preferred, then
+  VALID, smallest stride), or given with ``conv={glob: (stride, padding)}``. The per-example
+  kernel gradients of that layer are then computed exactly as a vmapped vjp of
+  ``lax.conv_general_dilated`` per example (XLA turns it into one grouped convolution):
+  ``B * prod(kernel shape)`` floats for that layer, no more.
+* attention (``nn.multi_head_attention``) is its dense projections ``q``, ``k``, ``v``, ``out``:
+  sequence dense layers above; its ``dot_product`` part has no parameters.
+* affine norms (layers that note themselves as ``nn._kinds.AffineNorm`` while traced:
+  ``nn.rms_norm``, and ``nn.batch_norm`` in eval mode): ``y = x_hat * scale + bias`` on the last
+  axis, with ``x_hat`` recomputed from the captured ``input``; per example, the ``scale``
+  gradient is ``sum_t d_it * x_hat_it`` and the ``bias`` gradient ``sum_t d_it`` over every axis
+  but the batch and the last, and any other parameter (running statistics) gets zero.
 * any other leaf (embedding, layer_norm, custom layers, params used outside vjpkit layers)
   falls back to ``jax.vmap(jax.grad)`` of ``l_i`` with respect to those leaves only, with a
   ``UserWarning`` naming the layer.
@@ -59,10 +67,11 @@ from .. import _context, _engine
 from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import capture as _capture
 from .._errors import ConfigError
+from ..nn import _kinds
 
 __all__ = ["PerExampleNorms", "dp_clip", "dp_noise", "per_example_grad_norms"]
 
-_DN = ("NHWC", "HWIO", "NHWC")
+_DN = {4: ("NHWC", "HWIO", "NHWC"), 3: ("NWC", "WIO", "NWC")}
 
 
 class PerExampleNorms(NamedTuple):
@@ -91,6 +100,7 @@ class _Call:
     name: str
     params: dict[str, tuple[int | None, tuple[int, ...]]]  # local name -> (leaf index | None, shape)
     derived: list[str]  # local names of params computed inside the loss (not leaves of params)
+    kind: Any = None  # what the layer noted about itself (nn._kinds), e.g. an AffineNorm
 
 
 def _path_name(path: Sequence[Any]) -> str:
@@ -112,7 +122,8 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
     def flat(*leaves):
         return loss_fn(jax.tree.unflatten(tree, leaves), *batch), None
 
-    traced = _engine.trace(_context.Config((), (), who), flat, leaves)
+    with _kinds.collect() as kinds:
+        traced = _engine.trace(_context.Config((), (), who), flat, leaves)
     out = traced.closed.out_avals[0]
     if not (hasattr(out, "shape") and tuple(out.shape) == ()):
         raise ConfigError(
@@ -131,7 +142,7 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
             if origin is None and flag:
                 derived.append(local_name)
             entries[local_name] = (origin, tuple(aval.shape))
-        calls.append(_Call(key, site.name, entries, derived))
+        calls.append(_Call(key, site.name, entries, derived, kinds.get(site.name)))
     return calls
 
 
@@ -155,8 +166,8 @@ def _escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, (int, np.integer)) else (int(v[0]), int(v[1]))
+def _tuple(v: Any, n: int) -> tuple[int, ...]:
+    return (int(v),) * n if isinstance(v, (int, np.integer)) else tuple(int(a) for a in v)
 
 
 def _infer_1d(n: int, k: int, n_out: int) -> tuple[int, tuple[int, int]] | None:
@@ -184,13 +195,26 @@ def _conv_padding(padding: Any, shape_in, kernel, strides) -> tuple[tuple[int, i
 class _Use:
     key: str
     role: str
-    kind: str  # "dense" | "conv"
-    conv: Any = None  # (strides, padding) for conv
+    kind: str  # "dense" | "conv" | "norm"
+    conv: Any = None  # (strides, padding) for conv; the _kinds.AffineNorm for norm
 
 
 def _classify(call: _Call, rec: Any, batch_size: int, conv_cfg: dict, who: str) -> tuple[str | None, Any]:
-    """``("dense" | "conv" | None, conv config)`` from the call's params and record shapes."""
+    """``("dense" | "conv" | "norm" | None, config)`` from the call's params and record shapes."""
     roles = set(call.params)
+    if isinstance(call.kind, _kinds.AffineNorm):
+        x, d = (None, None) if rec is None else (rec.input, rec.grad_output)
+        ok = (
+            hasattr(x, "shape")
+            and hasattr(d, "shape")
+            and x.ndim >= 2
+            and d.shape == x.shape
+            and x.shape[0] == batch_size
+            and jnp.issubdtype(x.dtype, jnp.floating)
+            and all(call.params[r][1] == (x.shape[-1],) for r in ("scale", "bias") if r in roles)
+            and not call.derived
+        )
+        return ("norm", call.kind) if ok else (None, None)
     if "weight" not in roles or not roles <= {"weight", "bias"} or rec is None:
         return None, None
     x, d = rec.input, rec.grad_output
@@ -205,17 +229,18 @@ def _classify(call: _Call, rec: Any, batch_size: int, conv_cfg: dict, who: str) 
     if len(w) == 2:
         ok = x.shape[-1] == w[0] and d.shape == (*x.shape[:-1], w[1]) and b in (None, (w[1],))
         return ("dense", None) if ok else (None, None)
-    if len(w) == 4 and x.ndim == 4:
-        kh, kw, cin, cout = w
+    if len(w) in (3, 4) and x.ndim == len(w):
+        *kernel, cin, cout = w
+        n = len(kernel)
         if x.shape[-1] != cin or d.shape[-1] != cout or b not in (None, (cout,)):
             return None, None
         for glob, cfg in conv_cfg.items():
             if fnmatch.fnmatchcase(call.name, glob):
                 stride, padding = cfg
-                strides = _pair(stride)
-                pads = _conv_padding(padding, x.shape[1:3], (kh, kw), strides)
+                strides = _tuple(stride, n)
+                pads = _conv_padding(padding, x.shape[1 : 1 + n], tuple(kernel), strides)
                 return "conv", (strides, pads)
-        dims = [_infer_1d(x.shape[1 + a], (kh, kw)[a], d.shape[1 + a]) for a in range(2)]
+        dims = [_infer_1d(x.shape[1 + a], kernel[a], d.shape[1 + a]) for a in range(n)]
         if None in dims:
             return None, "no-infer"
         return "conv", (tuple(s for s, _ in dims), tuple(p for _, p in dims))
@@ -313,11 +338,12 @@ class _DenseWeight(_Leaf):
 
 
 def _conv_per_example(x: jax.Array, d: jax.Array, kernel_shape, strides, pads) -> jax.Array:
-    """Per-example kernel gradients ``(B, kh, kw, in, out)`` of one conv call, exactly."""
+    """Per-example kernel gradients ``(B, *kernel_shape)`` of one conv call (1-D or 2-D), exactly."""
     zero = jnp.zeros(kernel_shape, x.dtype)
+    dn = _DN[x.ndim]
 
     def one(xi, di):
-        conv = lambda w: jax.lax.conv_general_dilated(xi[None], w, strides, pads, dimension_numbers=_DN)
+        conv = lambda w: jax.lax.conv_general_dilated(xi[None], w, strides, pads, dimension_numbers=dn)
         return jax.vjp(conv, zero)[1](di[None])[0]
 
     return jax.vmap(one)(x, d)
@@ -376,11 +402,11 @@ def analyze(
 
     def _could_be_fast(c: _Call) -> bool:
         shapes = {k: s for k, (_, s) in c.params.items()}
-        return (
-            "weight" in shapes
-            and set(shapes) <= {"weight", "bias"}
-            and len(shapes["weight"]) in (2, 4)
-            and any(ix is not None and wanted[ix] for ix, _ in c.params.values())
+        shaped = (
+            "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
+        )
+        return (shaped or isinstance(c.kind, _kinds.AffineNorm)) and any(
+            ix is not None and wanted[ix] for ix, _ in c.params.values()
         )
 
     names = sorted({c.name for c in calls if _could_be_fast(c)})
@@ -390,8 +416,10 @@ def analyze(
     else:
         (loss, grads), captured = jax.value_and_grad(loss_fn)(params, *batch), {}
     grad_leaves = jax.tree.leaves(grads)
+    param_leaves = jax.tree.leaves(params)
     scale = float(batch_size) if reduction == "mean" else 1.0
 
+    calls_by_key = {c.key: c for c in calls}
     # Which calls use each leaf, and how.
     uses: list[list[_Use | None]] = [[] for _ in paths]
     no_infer: set[str] = set()
@@ -430,6 +458,12 @@ def analyze(
             d = jnp.concatenate([a.reshape(batch_size, -1, a.shape[-1]) for a in ds], axis=1)
             leaves.append(_DenseWeight(x, d, None if agg is None else scaled(agg), check))
             continue
+        if kind == "norm":
+            shape = grad_leaves[i].shape
+            leaves.append(
+                _norm_leaf(role, recs, u, calls_by_key, param_leaves, shape, batch_size, scaled, agg)
+            )
+            continue
         if role == "bias":
             ds = [scaled(r.grad_output) for r in recs]
             g = sum(jnp.sum(a.reshape(batch_size, -1, a.shape[-1]), axis=1) for a in ds)
@@ -447,8 +481,9 @@ def analyze(
             strides, pads = x_use.conv
             xi, di = r.input.astype(jnp.float32), scaled(r.grad_output)
             g = g + _conv_per_example(xi, di, shape, strides, pads)
-            per = jnp.sqrt(jnp.sum(jnp.square(xi), axis=(1, 2, 3)) * jnp.sum(jnp.square(di), axis=(1, 2, 3)))
-            bound = bound + jnp.sqrt(float(shape[0] * shape[1])) * jnp.sum(per)
+            axes = tuple(range(1, xi.ndim))
+            per = jnp.sqrt(jnp.sum(jnp.square(xi), axis=axes) * jnp.sum(jnp.square(di), axis=axes))
+            bound = bound + jnp.sqrt(float(np.prod(shape[:-2]))) * jnp.sum(per)
         ok = None if agg is None else _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
         leaves.append(_Materialized(g, ok))
 
@@ -467,6 +502,29 @@ def analyze(
             stacklevel=3,
         )
     return Analysis(loss, grads, batch_size, paths, owners, leaves, treedef, captured, calls)
+
+
+def _norm_leaf(role, recs, uses, calls_by_key, param_leaves, shape, batch_size, scaled, agg) -> _Leaf:
+    """Per-example gradients of one affine-norm parameter: ``scale``, ``bias`` or a statistic."""
+    g, bound = 0.0, 0.0
+    for r, use in zip(recs, uses):
+        d = scaled(r.grad_output)
+        axes = tuple(range(1, d.ndim - 1))
+        if role == "scale":
+            local = {k: param_leaves[ix] for k, (ix, _) in calls_by_key[use.key].params.items()}
+            x_hat = use.conv.normalize(local, r.input).astype(jnp.float32)
+            term = d * x_hat
+        elif role == "bias":
+            term = d
+        else:  # running statistics and the like: no gradient, by the AffineNorm contract
+            term = None
+        if term is not None:
+            g = g + jnp.sum(term, axis=axes)
+            bound = bound + jnp.sum(jnp.abs(term), axis=tuple(range(term.ndim - 1)))
+    if isinstance(g, float):
+        g = jnp.zeros((batch_size, *shape), jnp.float32)
+    ok = None if agg is None else _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
+    return _Materialized(g, ok)
 
 
 def _warn_fallback(fallback, paths, owners, calls, uses, no_infer, who) -> None:

@@ -1,9 +1,10 @@
-"""Layers with parameters: ``dense``, ``conv2d``, ``embedding``, ``layer_norm``.
+"""Layers with parameters: ``dense``, ``conv1d``, ``conv2d``, ``embedding``, ``layer_norm``.
 
 Contract: each returns an ``Layer`` built with ``layer``, so
 every call is hookable. Parameter names and layouts are fixed by DESIGN.md: ``dense`` has
 ``weight (in, out)`` and ``bias (out,)`` with ``y = x @ weight + bias``; ``conv2d`` is NHWC
-with ``weight (kh, kw, in, out)``. Parameters take ``dtype``, else the input's float dtype.
+with ``weight (kh, kw, in, out)``; ``conv1d`` is NWC with ``weight (k, in, out)``.
+Parameters take ``dtype``, else the input's float dtype.
 Initialisation follows PyTorch's defaults (uniform in +-1/sqrt(fan_in)).
 """
 
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .._errors import ConfigError
 from ._layer import Layer, layer, positive_pair
 
 
@@ -19,6 +22,13 @@ def _param_dtype(x, dtype):
     if dtype is not None:
         return jnp.dtype(dtype)
     return jnp.dtype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.dtype(jnp.float32)
+
+
+def describe(x) -> str:
+    """``"shape (2, 3) float32"`` for error messages (arrays, tracers, ``ShapeDtypeStruct``)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return f"a {type(x).__name__}"
+    return f"shape {tuple(x.shape)} {np.dtype(x.dtype).name}"
 
 
 def _uniform(key, shape, fan_in, dtype):
@@ -102,6 +112,76 @@ def conv2d(
         return y + params["bias"] if use_bias else y
 
     return layer(fn, init, name=name or "conv2d")
+
+
+def conv1d(
+    features: int,
+    kernel_size: int,
+    stride: int = 1,
+    padding="SAME",
+    use_bias: bool = True,
+    *,
+    dtype=None,
+    name: str | None = None,
+) -> Layer:
+    """1-D convolution on NWC inputs ``(batch, length, channels)``, ``weight (k, in, out)``, ``bias (out,)``.
+
+    Args:
+        features: output channels.
+        kernel_size: the kernel length ``k``, a positive int.
+        stride: a positive int.
+        padding: ``"SAME"``, ``"VALID"`` or explicit ``[(lo, hi)]``.
+        use_bias: add ``bias``.
+        dtype: parameter dtype; default: the input's float dtype.
+        name: the name when no combinator names it.
+
+    Examples:
+        >>> conv = nn.conv1d(8, 3)
+        >>> p = conv.init(jax.random.key(0), jnp.ones((4, 10, 2)))
+        >>> p["weight"].shape, conv.apply(p, jnp.ones((4, 10, 2))).shape
+        ((3, 2, 8), (4, 10, 8))
+    """
+    what = "nn.conv1d" + (f" {name!r}" if name else "")
+    for arg, v in (("kernel_size", kernel_size), ("stride", stride), ("features", features)):
+        if not (isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0):
+            raise ConfigError(f"{what}: {arg} must be a positive int, got {v!r}.")
+    explicit = (
+        isinstance(padding, (tuple, list))
+        and len(padding) == 1
+        and isinstance(padding[0], (tuple, list))
+        and len(padding[0]) == 2
+        and all(isinstance(k, (int, np.integer)) for k in padding[0])
+    )
+    if not (padding in ("SAME", "VALID") or explicit):
+        raise ConfigError(f"{what}: padding must be 'SAME', 'VALID' or [(lo, hi)] ints, got {padding!r}.")
+    pads = padding if isinstance(padding, str) else [tuple(padding[0])]
+
+    def check(x):
+        if not hasattr(x, "shape") or len(x.shape) != 3:
+            raise ConfigError(f"{what}: expects NWC input (batch, length, channels), got {describe(x)}.")
+
+    def init(key, x):
+        check(x)
+        n_in, dt = x.shape[-1], _param_dtype(x, dtype)
+        fan_in = kernel_size * n_in
+        k1, k2 = jax.random.split(key)
+        params = {"weight": _uniform(k1, (kernel_size, n_in, features), fan_in, dt)}
+        if use_bias:
+            params["bias"] = _uniform(k2, (features,), fan_in, dt)
+        return params
+
+    def fn(params, x):
+        check(x)
+        w = params["weight"]
+        if x.shape[-1] != w.shape[1]:
+            raise ConfigError(
+                f"{what}: the input has {x.shape[-1]} channels (shape {tuple(x.shape)}) but weight "
+                f"{tuple(w.shape)} expects {w.shape[1]}."
+            )
+        y = jax.lax.conv_general_dilated(x, w, (stride,), pads, dimension_numbers=("NWC", "WIO", "NWC"))
+        return y + params["bias"] if use_bias else y
+
+    return layer(fn, init, name=name or "conv1d")
 
 
 def embedding(num_embeddings: int, features: int, *, dtype=jnp.float32, name: str | None = None) -> Layer:
