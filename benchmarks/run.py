@@ -7,7 +7,8 @@ Timing uses interleaved rounds: every round times each variant (in a shuffled or
 block of steps, and the reported figure is the median over rounds of the per-step time. Ratios
 are medians of the per-round ratios, so slow drifts of the machine cancel out. It also runs
 ``per_example_bench.py``'s comparison of per-example gradient norms (``--no-per-example``
-skips it).
+skips it), and ``eager_bench.py``'s eager-call comparison (eager hooked ``vk.grad`` against eager
+``jax.grad``, inner-jit traces, memory growth).
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
 [--compile-repeats 3] [--peers flax,equinox,torch] [--no-per-example] [--out PATH]``. What the
@@ -34,6 +35,7 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import eager_bench
 import peers
 from models import EXTRA_RAW, MODELS, data, loss_of
 
@@ -382,6 +384,7 @@ def main(argv=None):
         if torch_client is not None:
             torch_client.close()
     pex = None if args.no_per_example else per_example(args.quick)
+    eager = eager_bench.run(args.quick)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -399,7 +402,7 @@ def main(argv=None):
         "peers": selected,
         "wall_s": time.perf_counter() - start,
     }
-    out = {"meta": meta, "results": results, "per_example": pex}
+    out = {"meta": meta, "results": results, "per_example": pex, "eager": eager}
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     v, busy = meta["versions"], meta["other_cpu_share"]
     print(
@@ -409,6 +412,7 @@ def main(argv=None):
         + ("" if busy is None else f" | other processes used {100 * busy:.0f}% of the CPU meanwhile")
     )
     print(markdown(results, pex))
+    print(eager_bench.markdown(eager))
     return out
 
 

@@ -56,6 +56,10 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     assert all(t["met"] in (True, False, None) for t in result["targets"])
     pex = data["per_example"]
     assert set(pex["median_ms"]) == {"vjpkit", "vmap(grad)", "value_and_grad"}
+    eager = data["eager"]
+    assert set(eager["median_ms"]) == {"vk.grad, hooks, eager", "jax.grad, eager"}
+    assert eager["ratio"] > 0 and eager["inner_jit_traces"] >= 1
+    assert [t["met"] in (True, False) for t in eager["targets"]] == [True] * 3
     assert all(m["peak_mb"] > 0 for m in pex["xla_memory"].values())
     assert "| raw JAX |" in stdout and "Per-example gradient norms" in stdout
 
