@@ -13,15 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._records import _describe, dtype_name
-
-
-def spec(x: Any) -> str:
-    """``float32[4,3]`` for an array-like, ``repr`` for anything else."""
-    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-    if shape is None or dtype is None:
-        return f"{type(x).__name__} {x!r}"
-    return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
+from ._records import _describe, spec
 
 
 def check_like(expected: Any, got: Any, *, what: str, error: type[Exception], hint: str = "") -> None:

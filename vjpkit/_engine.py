@@ -37,6 +37,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from . import _context, _hooks, _rule, _slots
+from ._carry import slot_avals
 from ._primitive import layer_p
 from ._records import Cotangents, call_key
 
@@ -226,7 +227,7 @@ class Plan:
         state = _hooks.state_avals(hooks, record.params)
         if state is not None:
             _hooks.check_float_state(state, key)
-        slot = _slots.slot_avals(record, spec) if spec is not None else None
+        slot = slot_avals(record, spec) if spec is not None else None
         site = Site(
             key, name, call, p, hooks, spec, eqn, tuple(ins), tuple(orig), scans, in_cond, record, state, slot
         )

@@ -39,10 +39,10 @@ import numpy as np
 from . import _context, _engine, _hooks, _slots
 from ._autodiff import grad as _vk_grad
 from ._capture import as_specs
-from ._check import check_like, spec
+from ._check import check_like
 from ._errors import ConfigError, SeedError
 from ._jvp_rule import TangentScope
-from ._records import _describe
+from ._records import _describe, spec
 
 SEED_SENTENCE = (
     "A seed is dL/d(out), the cotangent that starts reverse mode: one value per output element, "
@@ -129,13 +129,6 @@ def check_cast(expected: Any, got: Any, *, what: str, hint: str) -> Any:
     return got
 
 
-def _spec(x: Any) -> str:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or np.dtype(dtype) != jax.dtypes.float0:
-        return spec(x)
-    return f"float0[{','.join(map(str, x.shape))}]"
-
-
 def _check_float0(expected: Any, got: Any, *, what: str, hint: str) -> None:
     """Names ``float0`` in mismatches that involve it (numpy would call it ``void``)."""
     for (path, e), g in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(got)):
@@ -144,7 +137,7 @@ def _check_float0(expected: Any, got: Any, *, what: str, hint: str) -> None:
         ]
         if is_float0[0] != is_float0[1] or (is_float0[0] and tuple(np.shape(g)) != tuple(e.shape)):
             where = jax.tree_util.keystr(path) or "(root)"
-            raise SeedError(f"{what}, path {where}: expected {_spec(e)}, got {_spec(g)}. {hint}")
+            raise SeedError(f"{what}, path {where}: expected {spec(e)}, got {spec(g)}. {hint}")
 
 
 @dataclasses.dataclass(frozen=True)

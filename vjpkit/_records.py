@@ -26,17 +26,26 @@ def dtype_name(dtype: Any) -> str:
     return "float0" if dtype == jax.dtypes.float0 else np.dtype(dtype).name
 
 
+def spec(x: Any) -> str:
+    """``float32[4,3]`` for an array-like (``float0`` named as such), ``repr`` for anything else.
+
+    The one shape formatter of vjpkit's messages.
+    """
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        return f"{type(x).__name__} {x!r}"
+    return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
+
+
 def _describe(tree: Any) -> str:
     """Shapes and dtypes of a pytree, compactly: ``f32[4,3]`` or ``{'bias': f32[3]}``."""
 
     def leaf(x):
         if x is None:
             return None
-        shape = getattr(x, "shape", None)
-        dtype = getattr(x, "dtype", None)
-        if shape is None or dtype is None:
+        if getattr(x, "shape", None) is None or getattr(x, "dtype", None) is None:
             return repr(x)
-        return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
+        return spec(x)
 
     if tree is None:
         return "None"

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from . import _context, _hooks, _primitive, _slots
+from . import _context, _hooks, _primitive
+from ._carry import slot_value
 from ._records import Cotangents
 from ._trees import Static, merge, select, unwrap
 
@@ -76,6 +77,18 @@ def _record(site: Any, ops: Sequence, outs: Sequence, g_outs: Sequence, grads: S
         grad_input=None if shape.grad_input is None else g_inputs[0] if single else g_inputs,
         grad_params=None if shape.grad_params is None else g_params,
     )
+
+
+def _replace_grads(site: Any, shown: Sequence, rec: Cotangents) -> list:
+    """Operand cotangents with the record's (possibly replaced) grad_params and grad_input."""
+    n = site.eqn.params["n_hoisted"]
+    tree = site.eqn.params["tree"]
+    g_params, g_inputs, g_kw = jax.tree.unflatten(tree, list(shown[n:]))
+    if rec.grad_params is not None:
+        g_params = rec.grad_params
+    if rec.grad_input is not None:
+        g_inputs = (rec.grad_input,) if len(g_inputs) == 1 else tuple(rec.grad_input)
+    return [*shown[:n], *tree.flatten_up_to((g_params, g_inputs, g_kw))]
 
 
 def hooked(
@@ -139,9 +152,9 @@ def hooked(
                 log.append(site.key)
             rec = _record(site, ops_v, outs, g_outs, shown)
             rec, new_state = _hooks.run(rec, site.hooks, g_state)
-            shown = _slots.replace_grads(site, shown, rec)
+            shown = _replace_grads(site, shown, rec)
             if site.spec is not None:
-                probe_ct = _slots.slot_value(site, rec)
+                probe_ct = slot_value(site.spec, rec)
         out_grads = [s if m else None for s, m in zip(shown, mask)]
         return out_grads, probe_ct, new_state, g_npr, g_nst_in
 

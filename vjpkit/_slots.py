@@ -19,13 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _context, _hooks
-from ._capture import reduce_record
+from ._carry import decode
 from ._check import check_like
 from ._errors import ConfigError
-from ._records import Cotangents
 
 THREADING = (
     "Create the state once with `state = vk.init_hook_state(g, *args)`, pass it as "
@@ -76,61 +74,7 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-# --- exact carriage of integer leaves ------------------------------------------------------
-
-
-def _chunks(dtype: Any) -> int:
-    dtype = np.dtype(dtype)
-    return 1 if dtype == np.bool_ else max(1, dtype.itemsize // 2)
-
-
-def _carried(a: Any) -> Any:
-    if jnp.issubdtype(a.dtype, jnp.inexact):
-        return a
-    return jax.ShapeDtypeStruct((_chunks(a.dtype), *a.shape), jnp.float32)
-
-
-def _unsigned(dtype: Any) -> Any:
-    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(dtype).itemsize]
-
-
-def _encode(x: jax.Array) -> jax.Array:
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return x
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.float32)[None]
-    u = jax.lax.bitcast_convert_type(x, _unsigned(x.dtype))
-    return jnp.stack([((u >> (16 * k)) & 0xFFFF).astype(jnp.float32) for k in range(_chunks(x.dtype))])
-
-
-def _decode(c: jax.Array, dtype: Any, lead: int) -> jax.Array:
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return c.astype(dtype)
-    c = jnp.moveaxis(c, lead, 0)
-    if np.dtype(dtype) == np.bool_:
-        return c[0] > 0.5
-    u = _unsigned(dtype)
-    total = sum(c[k].astype(u) << u(16 * k) for k in range(c.shape[0]))
-    return jax.lax.bitcast_convert_type(total.astype(u), dtype)
-
-
 # --- slots --------------------------------------------------------------------------------------
-
-
-def slot_avals(record: Cotangents, spec: Any) -> dict:
-    """The probe's (unstacked) shape tree for a call with ``record`` shapes and ``spec``."""
-    reduced = jax.eval_shape(lambda r: reduce_record(r, spec), record)
-    return {
-        "captured": jax.tree.map(_carried, reduced),
-        "dtypes": jax.tree.map(lambda a: np.dtype(a.dtype), reduced),
-        "ran": jax.ShapeDtypeStruct((), jnp.float32),
-    }
-
-
-def slot_value(site: Any, rec: Cotangents) -> dict:
-    """The probe cotangent that carries ``rec`` out of the backward pass."""
-    reduced = reduce_record(rec, site.spec)
-    return {"captured": jax.tree.map(_encode, reduced), "ran": jnp.ones((), jnp.float32)}
 
 
 def _stacked(site: Any) -> Any:
@@ -157,7 +101,7 @@ def read_captured(plan: Any, probe_grads: dict) -> dict:
         g = probe_grads[key]
         lead = len(site.scans)
         rec = jax.tree.map(
-            lambda c, dt, lead=lead: _decode(c, dt, lead),
+            lambda c, dt, lead=lead: decode(c, dt, lead),
             g["captured"],
             site.slot["dtypes"],
         )
@@ -172,18 +116,6 @@ def read_captured(plan: Any, probe_grads: dict) -> dict:
             rec = jax.tree.map(mask, rec)
         out[key] = rec
     return out
-
-
-def replace_grads(site: Any, shown: Sequence, rec: Cotangents) -> list:
-    """Operand cotangents with the record's (possibly replaced) grad_params and grad_input."""
-    n = site.eqn.params["n_hoisted"]
-    tree = site.eqn.params["tree"]
-    g_params, g_inputs, g_kw = jax.tree.unflatten(tree, list(shown[n:]))
-    if rec.grad_params is not None:
-        g_params = rec.grad_params
-    if rec.grad_input is not None:
-        g_inputs = (rec.grad_input,) if len(g_inputs) == 1 else tuple(rec.grad_input)
-    return [*shown[:n], *tree.flatten_up_to((g_params, g_inputs, g_kw))]
 
 
 # --- hook state ---------------------------------------------------------------------------------

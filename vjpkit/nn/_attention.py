@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import _context
 from .._errors import ConfigError
+from . import _random
 from ._layer import Layer, layer
 from ._linear import dense
 from ._linear import describe as _describe
@@ -141,7 +142,7 @@ def multi_head_attention(
         dt = dtype if dtype is not None else (x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else None)
         mid = jax.ShapeDtypeStruct((*x.shape[:-1], width), dt or jnp.float32)
         n_out = out_features if out_features is not None else x.shape[-1]
-        kq, kk, kv, ko = jax.random.split(key, 4)
+        kq, kk, kv, ko = _random.split(key, 4)
         return {
             "q": dense(width, use_bias, dtype=dtype).init(kq, x),
             "k": dense(width, use_bias, dtype=dtype).init(kk, src),

@@ -14,6 +14,7 @@ import jax
 
 from .. import _context
 from .._errors import ConfigError
+from . import _random
 from ._layer import Layer
 
 
@@ -68,8 +69,8 @@ def serial(*layers: Any, **named_layers: Layer) -> Layer:
     def init(key, *inputs):
         params = {}
         xs = inputs
-        for (name, child), k in zip(children, jax.random.split(key, len(children))):
-            k_init, k_apply = jax.random.split(k)
+        for (name, child), k in zip(children, _random.split(key, len(children))):
+            k_init, k_apply = _random.split(k)
             p = child.init(k_init, *xs)
             if jax.tree.leaves(p) or (p and not isinstance(p, dict)):
                 params[name] = p
@@ -83,7 +84,7 @@ def serial(*layers: Any, **named_layers: Layer) -> Layer:
                 f"nn.serial: params has entries {sorted(extra)} that are not children of this serial "
                 f"(children: {names}). Were these params made by another model's init?"
             )
-        keys = jax.random.split(key, len(children)) if key is not None else [None] * len(children)
+        keys = _random.split(key, len(children)) if key is not None else [None] * len(children)
         xs = inputs
         for (name, child), k in zip(children, keys):
             kw = dict(kwargs, key=k) if k is not None else kwargs

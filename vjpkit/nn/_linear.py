@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import ConfigError
+from .._records import spec
+from . import _random
 from ._layer import Layer, layer, positive_pair
 
 
@@ -25,15 +27,13 @@ def _param_dtype(x, dtype):
 
 
 def describe(x) -> str:
-    """``"shape (2, 3) float32"`` for error messages (arrays, tracers, ``ShapeDtypeStruct``)."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        return f"a {type(x).__name__}"
-    return f"shape {tuple(x.shape)} {np.dtype(x.dtype).name}"
+    """``float32[2,3]`` for error messages (arrays, tracers, ``ShapeDtypeStruct``)."""
+    return spec(x) if hasattr(x, "shape") and hasattr(x, "dtype") else f"a {type(x).__name__}"
 
 
 def _uniform(key, shape, fan_in, dtype):
     bound = 1.0 / float(max(fan_in, 1)) ** 0.5
-    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+    return _random.uniform(key, shape, -bound, bound, dtype)
 
 
 def dense(features: int, use_bias: bool = True, *, dtype=None, name: str | None = None) -> Layer:
@@ -53,7 +53,7 @@ def dense(features: int, use_bias: bool = True, *, dtype=None, name: str | None 
 
     def init(key, x):
         n_in, dt = x.shape[-1], _param_dtype(x, dtype)
-        kw, kb = jax.random.split(key)
+        kw, kb = _random.split(key)
         params = {"weight": _uniform(kw, (n_in, features), n_in, dt)}
         if use_bias:
             params["bias"] = _uniform(kb, (features,), n_in, dt)
@@ -99,7 +99,7 @@ def conv2d(
     def init(key, x):
         n_in, dt = x.shape[-1], _param_dtype(x, dtype)
         fan_in = kh * kw_ * n_in
-        k1, k2 = jax.random.split(key)
+        k1, k2 = _random.split(key)
         params = {"weight": _uniform(k1, (kh, kw_, n_in, features), fan_in, dt)}
         if use_bias:
             params["bias"] = _uniform(k2, (features,), fan_in, dt)
@@ -164,7 +164,7 @@ def conv1d(
         check(x)
         n_in, dt = x.shape[-1], _param_dtype(x, dtype)
         fan_in = kernel_size * n_in
-        k1, k2 = jax.random.split(key)
+        k1, k2 = _random.split(key)
         params = {"weight": _uniform(k1, (kernel_size, n_in, features), fan_in, dt)}
         if use_bias:
             params["bias"] = _uniform(k2, (features,), fan_in, dt)
@@ -197,7 +197,7 @@ def embedding(num_embeddings: int, features: int, *, dtype=jnp.float32, name: st
 
     def init(key, *inputs):
         del inputs
-        return {"weight": jax.random.normal(key, (num_embeddings, features), jnp.float32).astype(dtype)}
+        return {"weight": _random.normal(key, (num_embeddings, features), dtype)}
 
     def fn(params, ids):
         return jnp.take(params["weight"], ids, axis=0)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import ConfigError
+from . import _random
 from ._layer import Layer, layer
 from ._linear import _param_dtype, _uniform
 from ._linear import describe as _describe
@@ -65,7 +66,7 @@ def gru(features: int, *, dtype=None, name: str | None = None) -> Layer:
     def init(key, h, x):
         check(h, x)
         n_in, dt = x.shape[-1], _param_dtype(x, dtype)
-        k1, k2, k3, k4 = jax.random.split(key, 4)
+        k1, k2, k3, k4 = _random.split(key, 4)
         f3 = 3 * features
         return {
             "weight_ih": _uniform(k1, (n_in, f3), features, dt),

@@ -1,0 +1,70 @@
+"""How a captured record travels out of the backward pass, exactly, as a probe's cotangent.
+
+Contract: ``slot_avals(record, spec)`` gives the probe's shapes for a call whose record has the
+shapes ``record``; ``slot_value(spec, rec)`` is the probe cotangent the rule returns;
+``decode`` puts a carried leaf back in its dtype. Cotangents are floats, so integer and boolean
+leaves travel as 16-bit chunks in float32 (exact, whatever is added to them), one chunk axis
+in front of the leaf's own axes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._capture import reduce_record
+from ._records import Cotangents
+
+
+def _chunks(dtype: Any) -> int:
+    dtype = np.dtype(dtype)
+    return 1 if dtype == np.bool_ else max(1, dtype.itemsize // 2)
+
+
+def _carried(a: Any) -> Any:
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return a
+    return jax.ShapeDtypeStruct((_chunks(a.dtype), *a.shape), jnp.float32)
+
+
+def _unsigned(dtype: Any) -> Any:
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(dtype).itemsize]
+
+
+def encode(x: jax.Array) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.float32)[None]
+    u = jax.lax.bitcast_convert_type(x, _unsigned(x.dtype))
+    return jnp.stack([((u >> (16 * k)) & 0xFFFF).astype(jnp.float32) for k in range(_chunks(x.dtype))])
+
+
+def decode(c: jax.Array, dtype: Any, lead: int) -> jax.Array:
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return c.astype(dtype)
+    c = jnp.moveaxis(c, lead, 0)
+    if np.dtype(dtype) == np.bool_:
+        return c[0] > 0.5
+    u = _unsigned(dtype)
+    total = sum(c[k].astype(u) << u(16 * k) for k in range(c.shape[0]))
+    return jax.lax.bitcast_convert_type(total.astype(u), dtype)
+
+
+def slot_avals(record: Cotangents, spec: Any) -> dict:
+    """The probe's (unstacked) shape tree for a call with ``record`` shapes and ``spec``."""
+    reduced = jax.eval_shape(lambda r: reduce_record(r, spec), record)
+    return {
+        "captured": jax.tree.map(_carried, reduced),
+        "dtypes": jax.tree.map(lambda a: np.dtype(a.dtype), reduced),
+        "ran": jax.ShapeDtypeStruct((), jnp.float32),
+    }
+
+
+def slot_value(spec: Any, rec: Cotangents) -> dict:
+    """The probe cotangent that carries ``rec`` out of the backward pass."""
+    reduced = reduce_record(rec, spec)
+    return {"captured": jax.tree.map(encode, reduced), "ran": jnp.ones((), jnp.float32)}
