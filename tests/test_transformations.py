@@ -358,3 +358,26 @@ def test_same_configuration_reuses_traces_and_others_never_replay():
     vk.grad(loss, hooks={"cell": vk.on_host(lambda rec: seen.append(rec.key))})(W, H0)
     jax.effects_barrier()
     assert seen == ["cell"]
+
+
+def test_gru_cell_records_one_per_time_step(maybe_jit):
+    """nn.rnn scans its cell: one record per time step, equal to the hand-unrolled loop's."""
+    model = nn.serial(enc=nn.rnn(nn.gru(5), 5, return_sequences=False))
+    xs = jax.random.normal(jax.random.key(7), (2, 4, 3))
+    params = model.init(jax.random.key(8), xs)
+    cell = nn.gru(5)
+
+    def loss(p, xs):
+        return jnp.sum(model.apply(p, xs) ** 2)
+
+    g, captured = maybe_jit(vk.grad(loss, capture="*"))(params, xs)
+    (key,) = captured
+    rec = captured[key]
+    hs, h = [], jnp.zeros((2, 5))
+    for t in range(4):
+        hs.append(h)
+        h = cell.apply(params["enc"], h, xs[:, t])
+    tree_allclose(rec.input[0], jnp.stack(hs), rtol=1e-5, atol=1e-6)  # per step: h_t, then x_t
+    tree_allclose(rec.input[1], jnp.swapaxes(xs, 0, 1), rtol=1e-6)
+    tree_allclose(jax.tree.map(lambda a: a.sum(0), rec.grad_params), g["enc"], rtol=1e-5, atol=1e-6)
+    tree_allclose(g, jax.grad(loss)(params, xs), rtol=1e-5)
