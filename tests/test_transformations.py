@@ -153,6 +153,29 @@ def test_cond_only_the_taken_branch_records(maybe_jit, pred):
     assert np.isnan(captured[other].grad_params["w"])  # no record: NaN, never a plausible zero
 
 
+def test_cond_branch_functions_applied_twice(maybe_jit):
+    def branch_a(p, x):
+        return A.apply(p["a"], x)
+
+    def branch_b(p, x):
+        return B.apply(p["b"], x)
+
+    def loss(p, x, pred):
+        y = lax.cond(pred, branch_a, branch_b, p, x)
+        y = lax.cond(pred, branch_a, branch_b, p, y)
+        return jnp.sum(y**2)
+
+    for pred in (True, False):
+        spec = vk.capture("*", fields=["grad_params"])
+        g, captured = maybe_jit(vk.grad(loss, capture=spec))(P2, H0, pred)
+        ref = jax.grad(loss)(P2, H0, pred)
+        tree_allclose(g, ref, rtol=1e-5)
+        taken = "a" if pred else "b"
+        assert set(captured) == {"a", "a#1", "b", "b#1"}
+        total = captured[taken].grad_params["w"] + captured[f"{taken}#1"].grad_params["w"]
+        tree_allclose(total, ref[taken]["w"], rtol=1e-5, atol=1e-6)
+
+
 def test_switch_state_advances_only_in_the_taken_branch(maybe_jit):
     def loss(p, x, i):
         y = lax.switch(i, [lambda x: A.apply(p["a"], x), lambda x: B.apply(p["b"], x)], x)
@@ -238,6 +261,10 @@ def test_vmap_inside_the_loss_records_the_batched_call(maybe_jit):
     clipped = maybe_jit(vk.grad(loss, hooks={"fc": vk.clip_by_norm(0.1)}))(params, x)
     total = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(clipped["fc"])))
     np.testing.assert_allclose(total, 0.1, rtol=1e-5)  # the whole call's gradient, not per example
+    g = vk.grad(loss, hooks={"fc": vk.ema_normalize(0.9)})
+    normalized, _ = maybe_jit(g)(params, x, hook_state=vk.init_hook_state(g, params, x))
+    w = ref["fc"]["weight"]  # first step: (g - mean) / std of the whole call's gradient
+    tree_allclose(normalized["fc"]["weight"], (w - w.mean()) / (w.std() + 1e-8), rtol=1e-4, atol=1e-5)
 
 
 def test_nested_hooked_transforms_run_both_levels(maybe_jit):

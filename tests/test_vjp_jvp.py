@@ -381,7 +381,9 @@ def test_bad_tangents():
     with pytest.raises(vk.SeedError, match=r"primals must be a tuple.*vk\.jvp\(f, \(x,\), \(v,\)\)"):
         vk.jvp(jnp.sin, x, tx)
     with pytest.raises(vk.SeedError, match="A tangent is the direction"):
-        vk.jvp(jnp.sin, (x,), (np.ones((6, 3)),))
+        vk.jvp(jnp.sin, (x,), (np.ones((6, 3), np.int32),))
+    # a float64 numpy tangent is float32 to JAX without x64, as in jax.jvp
+    tree_allclose(vk.jvp(jnp.sin, (x,), (np.ones(x.shape),)), jax.jvp(jnp.sin, (x,), (np.ones(x.shape),)))
 
 
 def test_integer_primal_tangent_is_float0(maybe_jit):
