@@ -54,17 +54,24 @@ def decode(c: jax.Array, dtype: Any, lead: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(total.astype(u), dtype)
 
 
-def slot_avals(record: Cotangents, spec: Any) -> dict:
-    """The probe's (unstacked) shape tree for a call with ``record`` shapes and ``spec``."""
-    reduced = jax.eval_shape(lambda r: reduce_record(r, spec), record)
+def slot_avals(record: Cotangents, spec: Any, n_host: int = 0) -> dict:
+    """The probe's (unstacked) shape tree: the captured record for ``spec``, and ``n_host``
+    whole records for the call's ``vk.on_host`` hooks."""
+    reduced = jax.eval_shape(lambda r: reduce_record(r, spec), record) if spec is not None else None
     return {
         "captured": jax.tree.map(_carried, reduced),
         "dtypes": jax.tree.map(lambda a: np.dtype(a.dtype), reduced),
+        "host": tuple(jax.tree.map(_carried, record) for _ in range(n_host)),
+        "host_dtypes": jax.tree.map(lambda a: np.dtype(a.dtype), record),
         "ran": jax.ShapeDtypeStruct((), jnp.float32),
     }
 
 
-def slot_value(spec: Any, rec: Cotangents) -> dict:
-    """The probe cotangent that carries ``rec`` out of the backward pass."""
-    reduced = reduce_record(rec, spec)
-    return {"captured": jax.tree.map(encode, reduced), "ran": jnp.ones((), jnp.float32)}
+def slot_value(spec: Any, rec: Cotangents, host: Any = ()) -> dict:
+    """The probe cotangent that carries ``rec`` (and the records host hooks saw) out."""
+    captured = jax.tree.map(encode, reduce_record(rec, spec)) if spec is not None else None
+    return {
+        "captured": captured,
+        "host": tuple(jax.tree.map(encode, r) for r in host),
+        "ran": jnp.ones((), jnp.float32),
+    }

@@ -63,17 +63,18 @@ class Site:
     Attributes:
         key: ``name`` or ``name#k``; name, call: as in the record.
         path: where the equation sits (indices into nested programs).
-        hooks: the hooks matching ``name``; spec: the capture spec, or ``None``.
+        hooks: the hooks matching ``name``; spec: the capture spec, or ``None``; host: the
+            ``vk.on_host`` hooks among them, whose records leave in the step's one transfer.
         eqn: the ``vjpkit_layer`` equation.
         flags: per operand, whether it carries a gradient (``grad_input`` / ``grad_params``
             leaves are ``None`` where not).
         origins: per operand, the index of the program input it is (passed through calls
             unchanged), or ``None`` (computed, constant, or inside a loop or branch).
-        scans: lengths of the enclosing ``lax.scan`` s, outermost first.
+        scans: lengths of the enclosing ``lax.scan`` s, outermost first; loops: their paths.
         in_cond: inside a ``lax.cond`` branch.
         record: the record's fields as ``ShapeDtypeStruct`` trees (unstacked).
         state: the hook state's ``ShapeDtypeStruct`` tree, or ``None`` when stateless.
-        slot: the captured record's carried ``ShapeDtypeStruct`` tree, or ``None``.
+        slot: the probe's carried ``ShapeDtypeStruct`` tree (captured and host records), or ``None``.
     """
 
     key: str
@@ -82,10 +83,12 @@ class Site:
     path: tuple
     hooks: tuple
     spec: Any
+    host: tuple
     eqn: Any
     flags: tuple
     origins: tuple
     scans: tuple
+    loops: tuple
     in_cond: bool
     record: Cotangents
     state: Any
@@ -224,13 +227,16 @@ class Plan:
         hooks = config.hooks_for(name)
         spec = config.capture_for(name)
         record = _record_avals(eqn, ins, name, call)
+        host = tuple(h for h in hooks if getattr(h, "deferred", False))
         state = _hooks.state_avals(hooks, record.params)
         if state is not None:
             _hooks.check_float_state(state, key)
-        slot = slot_avals(record, spec) if spec is not None else None
+        slot = slot_avals(record, spec, len(host)) if spec is not None or host else None
+        lengths, loops = tuple(n for _, n in scans), tuple(q for q, _ in scans)
         site = Site(
-            key, name, call, p, hooks, spec, eqn, tuple(ins), tuple(orig), scans, in_cond, record, state, slot
-        )
+            key, name, call, p, hooks, spec, host, eqn, tuple(ins), tuple(orig), lengths, loops, in_cond,
+            record, state, slot
+        )  # fmt: skip
         if key in self.by_key:  # the same call in another branch of a lax.cond
             other = self.by_key[key]
             same = jax.tree.structure((other.slot, other.state)) == jax.tree.structure((slot, state))
@@ -257,7 +263,9 @@ class Plan:
             if new == carry:
                 break
             carry = new
-        return self._walk(body, consts + carry + xs, p, (*scans, eqn.params["length"]), in_cond, register)
+        return self._walk(
+            body, consts + carry + xs, p, (*scans, (p, eqn.params["length"])), in_cond, register
+        )
 
     def _cond(self, eqn, ins, p, scans, register) -> list[bool]:
         before = dict(self._counts)
@@ -524,6 +532,7 @@ def linearize(traced: Traced, leaves: Sequence, hook_state: Any, log: list | Non
 def _pull(plan: Plan, pullback: Callable, states0: dict, hook_state: Any, seed_leaves: Sequence) -> tuple:
     g_leaves, g_probes, g_states = pullback((list(seed_leaves), states0))
     captured = _slots.read_captured(plan, g_probes)
+    _slots.send_host(plan, g_probes)
     return g_leaves, captured, _slots.new_state(plan, hook_state, g_states)
 
 

@@ -186,8 +186,12 @@ def validate(rec: Cotangents, new: Any, hook: Callable) -> Cotangents:
     return new
 
 
-def run(rec: Cotangents, hooks: Sequence[Callable], state: Any) -> tuple[Cotangents, Any]:
-    """Applies ``hooks`` in order; returns the final record and the layer's new state."""
+def run(rec: Cotangents, hooks: Sequence[Callable], state: Any, sink: list | None = None):
+    """Applies ``hooks`` in order; returns the final record and the layer's new state.
+
+    With ``sink``, a hook marked ``deferred`` (``vk.on_host``) is not called: the record it
+    would see is appended to ``sink``, for the transform to deliver after the backward pass.
+    """
     transforms = _transforms(hooks)
     stateless = state is None
     if stateless:
@@ -195,6 +199,9 @@ def run(rec: Cotangents, hooks: Sequence[Callable], state: Any) -> tuple[Cotange
     states = list((state,) if len(transforms) == 1 else state) if transforms else []
     new_states = []
     for hook in hooks:
+        if sink is not None and getattr(hook, "deferred", False):
+            sink.append(rec)
+            continue
         before = _snapshot(rec)
         with _context.activate(None):  # hooks may call layers: those are plain calls
             if isinstance(hook, HookTransform):

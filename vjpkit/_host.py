@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +27,55 @@ import numpy as np
 
 from ._errors import ConfigError, HostHookError
 from ._records import Cotangents
+
+
+def _pack(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
+    """``(buffers, unpack)``: ``tree``'s leaves in one flat buffer per dtype, inside the graph.
+
+    A host callback then costs one operand per dtype, not one per leaf; ``unpack(host
+    buffers)`` rebuilds the tree with numpy arrays.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    dtypes = sorted({np.dtype(leaf.dtype).name for leaf in leaves})
+    groups = {dt: [i for i, leaf in enumerate(leaves) if np.dtype(leaf.dtype).name == dt] for dt in dtypes}
+    buffers = [jnp.concatenate([jnp.ravel(leaves[i]) for i in groups[dt]]) for dt in dtypes]
+    slices: list = [None] * len(leaves)  # (buffer index, start, stop, shape) per leaf
+    for b, dt in enumerate(dtypes):
+        start = 0
+        for i in groups[dt]:
+            size = int(np.prod(leaves[i].shape, dtype=np.int64))
+            slices[i] = (b, start, start + size, tuple(leaves[i].shape))
+            start += size
+
+    def unpack(bufs: Sequence) -> Any:
+        host = [np.asarray(buf) for buf in bufs]
+        return jax.tree.unflatten(treedef, [host[b][lo:hi].reshape(shape) for b, lo, hi, shape in slices])
+
+    return buffers, unpack
+
+
+def send_records(payload: list, order: list) -> None:
+    """One ordered callback that hands each ``vk.on_host`` hook its records, in backward order.
+
+    Args:
+        payload: per layer call, ``(records, ran)``: one record per host hook of the call (leaves
+            stacked over its enclosing scans) and the per-iteration "the backward pass ran" flags.
+        order: per group of calls that share their enclosing scans, ``(scan lengths, [hooks of
+            each call])``, in backward order; ``payload`` lists the same calls in the same order.
+    """
+    buffers, unpack = _pack(payload)
+
+    def deliver(*bufs):
+        calls = iter(unpack(bufs))
+        for lengths, hooks_per_call in order:
+            group = [(hooks, next(calls)) for hooks in hooks_per_call]
+            for index in reversed(list(np.ndindex(*lengths))):  # last iteration first
+                for hooks, (records, ran) in group:
+                    if ran[index] > 0:
+                        for hook, rec in zip(hooks, records):
+                            hook._deliver(jax.tree.map(lambda a, i=index: a[i], rec))
+
+    jax.debug.callback(deliver, *buffers, ordered=True)
 
 
 class on_host:  # noqa: N801  (a hook factory, used like a function)
@@ -44,6 +93,8 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
         >>> jax.jit(g)(params, x); jax.effects_barrier()
     """
 
+    deferred = True  # inside vjpkit transforms, its records leave in the step's one transfer
+
     def __init__(self, fn: Callable, every: int = 1):
         if not callable(fn):
             raise ConfigError(f"vk.on_host needs a callable, got {type(fn).__name__}.")
@@ -58,29 +109,11 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
         jax.debug.callback(self._deliver, rec, ordered=True)
 
     def send(self, captured: dict) -> None:
-        """Delivers a step's captured records to ``fn`` in one ordered callback.
-
-        The leaves are packed into one flat buffer per dtype inside the graph, so the
-        transfer costs one callback operand per dtype, not one per leaf.
-        """
-        leaves, treedef = jax.tree.flatten(captured)
-        dtypes = sorted({np.dtype(leaf.dtype).name for leaf in leaves})
-        groups = {
-            dt: [i for i, leaf in enumerate(leaves) if np.dtype(leaf.dtype).name == dt] for dt in dtypes
-        }
-        buffers = [jnp.concatenate([jnp.ravel(leaves[i]) for i in groups[dt]]) for dt in dtypes]
-        slices: list = [None] * len(leaves)  # (buffer index, start, stop, shape) per leaf
-        for b, dt in enumerate(dtypes):
-            start = 0
-            for i in groups[dt]:
-                size = int(np.prod(leaves[i].shape, dtype=np.int64))
-                slices[i] = (b, start, start + size, tuple(leaves[i].shape))
-                start += size
+        """Delivers a step's captured records to ``fn`` in one ordered callback (see ``_pack``)."""
+        buffers, unpack = _pack(captured)
 
         def deliver(*bufs):
-            host = [np.asarray(buf) for buf in bufs]
-            out = [host[b][lo:hi].reshape(shape) for b, lo, hi, shape in slices]
-            self._run(jax.tree.unflatten(treedef, out), f"captured records of {sorted(captured)}")
+            self._run(unpack(bufs), f"captured records of {sorted(captured)}")
 
         jax.debug.callback(deliver, *buffers, ordered=True)
 

@@ -151,10 +151,11 @@ def hooked(
             if log is not None:
                 log.append(site.key)
             rec = _record(site, ops_v, outs, g_outs, shown)
-            rec, new_state = _hooks.run(rec, site.hooks, g_state)
+            sink: list = []  # what the vk.on_host hooks saw: sent in the step's one transfer
+            rec, new_state = _hooks.run(rec, site.hooks, g_state, sink)
             shown = _replace_grads(site, shown, rec)
-            if site.spec is not None:
-                probe_ct = slot_value(site.spec, rec)
+            if site.slot is not None:
+                probe_ct = slot_value(site.spec, rec, sink)
         out_grads = [s if m else None for s, m in zip(shown, mask)]
         return out_grads, probe_ct, new_state, g_npr, g_nst_in
 

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _context, _hooks
+from . import _context, _hooks, _host
 from ._carry import decode
 from ._check import check_like
 from ._errors import ConfigError
@@ -78,16 +78,16 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def _stacked(site: Any) -> Any:
-    carried = {"captured": site.slot["captured"], "ran": site.slot["ran"]}
+    carried = {"captured": site.slot["captured"], "host": site.slot["host"], "ran": site.slot["ran"]}
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*site.scans, *a.shape), a.dtype), carried)
 
 
 def probes(plan: Any) -> dict:
-    """Zero probes for every captured call of ``plan``."""
+    """Zero probes for every call of ``plan`` that is captured or has ``vk.on_host`` hooks."""
     return {
         s.key: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), _stacked(s))
         for s in plan.active()
-        if s.spec is not None
+        if s.slot is not None
     }
 
 
@@ -95,9 +95,9 @@ def read_captured(plan: Any, probe_grads: dict) -> dict:
     """``{call key: Cotangents}`` from the probes' gradients, in backward order."""
     out = {}
     for key in reversed(plan.order):
-        if key not in probe_grads:
-            continue
         site = plan.by_key[key]
+        if key not in probe_grads or site.spec is None:
+            continue
         g = probe_grads[key]
         lead = len(site.scans)
         rec = jax.tree.map(
@@ -116,6 +116,34 @@ def read_captured(plan: Any, probe_grads: dict) -> dict:
             rec = jax.tree.map(mask, rec)
         out[key] = rec
     return out
+
+
+def send_host(plan: Any, probe_grads: dict) -> None:
+    """Sends every record the ``vk.on_host`` hooks saw in this backward pass in ONE transfer.
+
+    On the host each hook gets its records in backward order: calls in reverse forward order,
+    and the calls inside one ``lax.scan`` body iteration by iteration, last iteration first.
+    Calls whose backward pass did not run (a branch not taken) deliver nothing.
+    """
+    groups: dict[tuple, list] = {}  # calls grouped by their enclosing loops, in backward order
+    for key in reversed(plan.order):
+        site = plan.by_key[key]
+        if site.host and key in probe_grads:
+            groups.setdefault(site.loops, []).append(site)
+    if not groups:
+        return
+    payload, order = [], []
+    for sites in groups.values():
+        entries = []
+        for site in sites:
+            g = probe_grads[site.key]
+            lead = len(site.scans)
+            recs = [jax.tree.map(lambda c, dt, lead=lead: decode(c, dt, lead), r, site.slot["host_dtypes"])
+                    for r in g["host"]]  # fmt: skip
+            payload.append((recs, g["ran"]))
+            entries.append(site.host)
+        order.append((sites[0].scans, entries))
+    _host.send_records(payload, order)
 
 
 # --- hook state ---------------------------------------------------------------------------------
