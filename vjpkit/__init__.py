@@ -27,6 +27,7 @@ from ._explicit import linearize as linearize
 from ._explicit import vjp as vjp
 from ._hooks import HookTransform as HookTransform
 from ._hooks import hook_chain as hook_chain
+from ._hookable import hookable as hookable
 from ._host import on_host as on_host
 from ._records import Cotangents as Cotangents
 from ._records import Tangents as Tangents
@@ -68,6 +69,7 @@ __all__ = [
     "grad",
     "histogram",
     "hook_chain",
+    "hookable",
     "hvp",
     "init_hook_state",
     "inspect",

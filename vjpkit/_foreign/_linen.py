@@ -55,7 +55,7 @@ def _kind(module: nn.Module) -> _kinds.LayerKind | None:
     if type(module) is nn.DenseGeneral:
         axis = (module.axis,) if isinstance(module.axis, int) else tuple(module.axis)
         n = len(axis)
-        if not module.batch_dims and sorted(axis) == list(range(-n, 0)) or axis == tuple(range(-n, 0)):
+        if not module.batch_dims and sorted(axis) == list(range(-n, 0)):
             return _kinds.LayerKind("dense", {"kernel": "weight", "bias": "bias"}, in_ndim=n)
         return _local_kind(module)
     if type(module) is nn.Conv:
