@@ -1,0 +1,136 @@
+"""Flax NNX models made hookable with vk.hookable: records named by attribute path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax", reason="Flax is an optional extra: pip install 'vjpkit[flax]'")
+
+from flax import nnx
+
+import vjpkit as vk
+from tests.helpers import tree_allclose
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.attn = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(3, 8, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs), Block(rngs)])
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.fc1(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+DENSES = ["fc1", "blocks/0/attn", "blocks/1/attn", "head"]
+
+
+def _setup():
+    model = Net(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    y = jax.random.normal(jax.random.key(2), (4, 2))
+    return model, x, y
+
+
+def _sub(state, name):
+    for part in name.split("/"):
+        state = state[int(part) if part.isdigit() else part]
+    return state
+
+
+def test_hookable_keeps_graph_state_and_outputs():
+    model, x, _ = _setup()
+    graphdef, state = nnx.split(model)
+    out = model(x)
+    hooked = vk.hookable(model)
+    graphdef2, state2 = nnx.split(hooked)
+    assert graphdef2 == graphdef
+    tree_allclose(state2, state)
+    tree_allclose(hooked(x), out)
+    tree_allclose(nnx.jit(lambda m, x: m(x))(hooked, x), out)
+    tree_allclose(jax.vmap(lambda xi: nnx.merge(graphdef2, state2)(xi[None])[0])(x), out, rtol=1e-6)
+
+
+def test_names_and_records_match_jax_grad_and_algebra(maybe_jit):
+    model, x, y = _setup()
+    graphdef, state = nnx.split(vk.hookable(model))
+
+    def loss(s, x, y):
+        return jnp.mean((nnx.merge(graphdef, s)(x) - y) ** 2)
+
+    expected = jax.grad(loss)(state, x, y)
+    names = []
+    vk.grad(loss, hooks={"*": lambda rec: names.append(rec.name)})(state, x, y)
+    assert sorted(names) == sorted(
+        ["Net", "fc1", "head", "blocks/0", "blocks/1"]
+        + [f"blocks/{i}/{n}" for i in (0, 1) for n in ("norm", "attn")]
+    )
+    grads, captured = maybe_jit(vk.grad(loss, capture=["fc1", "blocks/*/attn", "head"]))(state, x, y)
+    assert jax.tree.structure(grads) == jax.tree.structure(expected)
+    tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
+    pure_params, pure_grads = nnx.to_pure_dict(state), nnx.to_pure_dict(expected)
+    for name in DENSES:
+        rec = captured[name]
+        tree_allclose(rec.params, _sub(pure_params, name))
+        tree_allclose(rec.grad_params, _sub(pure_grads, name), rtol=1e-5, atol=1e-6)
+        w, xin, g = rec.params["kernel"], rec.input, rec.grad_output
+        np.testing.assert_allclose(rec.output, xin @ w + rec.params["bias"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rec.grad_params["kernel"], xin.T @ g, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rec.grad_params["bias"], g.sum(0), rtol=1e-5, atol=1e-6)
+        if name != "fc1":
+            np.testing.assert_allclose(rec.grad_input, g @ w.T, rtol=1e-5, atol=1e-6)
+
+
+def test_rewriting_hook_changes_exactly_upstream_gradients(maybe_jit):
+    model, x, y = _setup()
+    graphdef, state = nnx.split(vk.hookable(model))
+
+    def loss(s, x, y):
+        return jnp.mean((nnx.merge(graphdef, s)(x) - y) ** 2)
+
+    expected = nnx.to_pure_dict(jax.grad(loss)(state, x, y))
+    zero = lambda rec: rec.replace(grad_input=jnp.zeros_like(rec.grad_input))
+    grads = nnx.to_pure_dict(maybe_jit(vk.grad(loss, hooks={"blocks/1": zero}))(state, x, y))
+    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+    tree_allclose(grads["fc1"], zeros(expected["fc1"]))
+    tree_allclose(grads["blocks"][0], zeros(expected["blocks"][0]))
+    tree_allclose(grads["blocks"][1], expected["blocks"][1], rtol=1e-5, atol=1e-6)
+    tree_allclose(grads["head"], expected["head"], rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_model_runs_plain_for_stateful_modules():
+    class Drop(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(3, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.fc(x))
+
+    model = vk.hookable(Drop(nnx.Rngs(0, dropout=1)))
+    model.eval()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = jnp.ones((2, 3))
+
+    def loss(p):
+        return jnp.sum(nnx.merge(graphdef, p, rest)(x) ** 2)
+
+    names = []
+    grads = vk.grad(loss, hooks={"*": lambda rec: names.append(rec.name)})(params)
+    assert names == ["fc"]  # Drop and Dropout hold RNG state: plain calls
+    tree_allclose(grads, jax.grad(loss)(params))
