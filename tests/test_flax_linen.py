@@ -164,3 +164,47 @@ def test_explain_lists_linen_modules():
     text = str(vk.explain(loss, params, x, y))
     for name in DENSES:
         assert name in text
+
+
+class SeqModel(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        h = nn.Embed(11, 6)(ids)  # (B, T, 6)
+        h = nn.LayerNorm()(h)
+        h = nn.DenseGeneral((2, 3), axis=-1)(h)  # (B, T, 2, 3)
+        h = nn.DenseGeneral(5, axis=(-2, -1))(jnp.tanh(h))
+        h = nn.RMSNorm()(h)
+        img = h.reshape(h.shape[0], h.shape[1], 5, 1)
+        img = nn.Conv(2, (3, 1), strides=(2, 1), padding="SAME")(img)
+        return nn.Dense(1)(img.reshape(img.shape[0], -1))[:, 0]
+
+
+def _per_example_ref(loss_one, params, *batch):
+    per = jax.vmap(jax.grad(loss_one), in_axes=(None, *[0] * len(batch)))(params, *batch)
+    sq = sum(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1) for g in jax.tree.leaves(per))
+    return per, jnp.sqrt(sq)
+
+
+def test_per_example_norms_fast_paths_equal_vmap_grad(maybe_jit):
+    import warnings
+
+    model = SeqModel()
+    ids = jax.random.randint(jax.random.key(1), (6, 4), 0, 11)
+    y = jax.random.normal(jax.random.key(2), (6,))
+    params = model.init(jax.random.key(0), ids)["params"]
+
+    def loss(p, ids, y):
+        return jnp.mean((model.apply({"params": p}, ids) - y) ** 2)
+
+    def loss_one(p, ids, y):
+        return loss(p, ids[None], y[None])
+
+    per, total = _per_example_ref(loss_one, params, ids, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no vmap(grad) fallback for these layer kinds
+        _, grads, norms = maybe_jit(vk.inspect.per_example_grad_norms(loss))(params, ids, y)
+    tree_allclose(grads, jax.grad(loss)(params, ids, y), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(norms.total, total, rtol=1e-5, atol=1e-6)
+    ref_leaves = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), 1)), per)
+    tree_allclose(norms.params, ref_leaves, rtol=1e-5, atol=1e-6)
+    assert {"Embed_0", "LayerNorm_0", "DenseGeneral_0", "Conv_0", "Dense_0"} <= set(norms.layers)
