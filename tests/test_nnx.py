@@ -134,3 +134,36 @@ def test_dropout_model_runs_plain_for_stateful_modules():
     grads = vk.grad(loss, hooks={"*": lambda rec: names.append(rec.name)})(params)
     assert names == ["fc"]  # Drop and Dropout hold RNG state: plain calls
     tree_allclose(grads, jax.grad(loss)(params))
+
+
+def test_per_example_norms_fast_paths_equal_vmap_grad(maybe_jit):
+    import warnings
+
+    class Seq(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(11, 6, rngs=rngs)
+            self.norm = nnx.RMSNorm(6, rngs=rngs)
+            self.fc = nnx.Linear(6, 4, rngs=rngs)
+            self.ln = nnx.LayerNorm(4, rngs=rngs)
+            self.head = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, ids):
+            h = self.ln(jnp.tanh(self.fc(self.norm(self.embed(ids)))))
+            return self.head(h).sum(axis=(1, 2))
+
+    graphdef, state = nnx.split(vk.hookable(Seq(nnx.Rngs(0))))
+    ids = jax.random.randint(jax.random.key(1), (5, 3), 0, 11)
+    y = jax.random.normal(jax.random.key(2), (5,))
+
+    def loss(s, ids, y):
+        return jnp.mean((nnx.merge(graphdef, s)(ids) - y) ** 2)
+
+    per = jax.vmap(jax.grad(lambda s, i, t: loss(s, i[None], t[None])), in_axes=(None, 0, 0))(state, ids, y)
+    ref = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), 1)), per)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no vmap(grad) fallback for these layer kinds
+        _, _, norms = maybe_jit(vk.inspect.per_example_grad_norms(loss))(state, ids, y)
+    tree_allclose(norms.params, ref, rtol=1e-5, atol=1e-6)
+    total = jnp.sqrt(sum(jnp.square(a) for a in jax.tree.leaves(ref)))
+    np.testing.assert_allclose(norms.total, total, rtol=1e-5)
+    assert set(norms.layers) == {"embed", "norm", "fc", "ln", "head"}
