@@ -28,7 +28,7 @@ def make_data(key, n=512):
     k1, k2 = jax.random.split(key)
     t = jax.random.uniform(k1, (n,), minval=0.5, maxval=3.0)
     label = (jax.random.uniform(k2, (n,)) < 0.5).astype(jnp.int32)
-    angle = t * 2.0 + jnp.pi * label
+    angle = t * 2.0 + jnp.pi * label.astype(jnp.float32)
     x = jnp.stack([t * jnp.cos(angle), t * jnp.sin(angle)], axis=1) / 3.0
     return x, label
 

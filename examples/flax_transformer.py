@@ -14,8 +14,6 @@ its Flax path (``block_0/attn/query``, ``block_1/mlp/fc``, ...). The script
 Run: ``python examples/flax_transformer.py --steps 400``.
 """
 
-from __future__ import annotations
-
 import argparse
 import pathlib
 import tempfile

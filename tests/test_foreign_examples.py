@@ -14,7 +14,8 @@ def test_equinox_mlp_example_grad_dict_is_jax_grad(capsys):
     import equinox as eqx
 
     example = load_example("equinox_mlp")
-    out = example.main(["--steps", "150"])
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int and float
+        out = example.main(["--steps", "150"])
     assert "train accuracy" in capsys.readouterr().out
     assert out["accuracy"] > 0.9
     grad_dict = out["grad_dict"]
@@ -42,7 +43,8 @@ def test_flax_transformer_example_learns(monkeypatch, tmp_path, capsys):
 
     wire_linen(monkeypatch)
     example = load_example("flax_transformer")
-    out = example.main(["--steps", "150", "--out", str(tmp_path)])
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int and float
+        out = example.main(["--steps", "150", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "test answer accuracy" in printed
     assert out["accuracy"] > 0.5  # chance is 0.1
