@@ -12,13 +12,7 @@ pytest.importorskip("flax", reason="Flax is an optional extra: pip install 'vjpk
 import flax.linen as nn
 
 import vjpkit as vk
-from tests._foreign import wire_linen
 from tests.helpers import tree_allclose
-
-
-@pytest.fixture(autouse=True)
-def _linen(monkeypatch):
-    wire_linen(monkeypatch)
 
 
 class Encoder(nn.Module):

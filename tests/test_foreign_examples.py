@@ -37,11 +37,8 @@ def test_equinox_mlp_example_grad_dict_is_jax_grad(capsys):
         tree_allclose(got, jax.tree.map(np.asarray, expected.layers[i]), rtol=1e-4, atol=1e-6)
 
 
-def test_flax_transformer_example_learns(monkeypatch, tmp_path, capsys):
+def test_flax_transformer_example_learns(tmp_path, capsys):
     pytest.importorskip("flax", reason="Flax is an optional extra: pip install 'vjpkit[flax]'")
-    from tests._foreign import wire_linen
-
-    wire_linen(monkeypatch)
     example = load_example("flax_transformer")
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes int and float
         out = example.main(["--steps", "150", "--out", str(tmp_path)])

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
+
+_local = threading.local()
 
 
 @contextlib.contextmanager
@@ -20,10 +23,14 @@ def interception() -> Iterator[None]:
 
     A no-op when ``flax.linen`` was never imported (then no linen module can run).
     """
-    if "flax.linen" not in sys.modules:
+    if "flax.linen" not in sys.modules or getattr(_local, "active", False):  # nested: installed once
         yield
         return
     from ._linen import linen_interception
 
-    with linen_interception():
-        yield
+    _local.active = True
+    try:
+        with linen_interception():
+            yield
+    finally:
+        _local.active = False
