@@ -138,8 +138,7 @@ def test_per_example_norms_equal_vmap_grad():
     per = jax.vmap(jax.grad(lambda p, a, b: loss(p, a[None], b[None])), in_axes=(None, 0, 0))(params, x, y)
     ref = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), 1)), per)
     with warnings.catch_warnings():
-        # Until the core records a vmapped call whole (the record of the batched call), Equinox's
-        # per-example layers fall back to vmap(grad), with a warning; the values are exact either way.
-        warnings.simplefilter("ignore")
+        # a vmapped call is one record of the batched call: the fast paths apply, no vmap(grad) fallback
+        warnings.simplefilter("error")
         _, _, norms = vk.inspect.per_example_grad_norms(loss)(params, x, y)
     tree_allclose(norms.params, ref, rtol=1e-5, atol=1e-6)

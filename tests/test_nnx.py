@@ -113,27 +113,75 @@ def test_rewriting_hook_changes_exactly_upstream_gradients(maybe_jit):
     tree_allclose(grads["head"], expected["head"], rtol=1e-5, atol=1e-6)
 
 
-def test_dropout_model_runs_plain_for_stateful_modules():
-    class Drop(nnx.Module):
-        def __init__(self, rngs):
-            self.fc = nnx.Linear(3, 4, rngs=rngs)
-            self.drop = nnx.Dropout(0.5, rngs=rngs)
+class Noisy(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(3, 4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.head = nnx.Linear(4, 2, rngs=rngs)
 
-        def __call__(self, x):
-            return self.drop(self.fc(x))
+    def __call__(self, x):
+        return self.head(self.bn(self.drop(self.fc(x))))
 
-    model = vk.hookable(Drop(nnx.Rngs(0, dropout=1)))
+
+def test_dropout_and_batchnorm_are_layer_calls_with_state_written_back(maybe_jit):
+    model = vk.hookable(Noisy(nnx.Rngs(0, dropout=1)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = jax.random.normal(jax.random.key(1), (6, 3))
+
+    def loss(p, rest):
+        m = nnx.merge(graphdef, p, rest, copy=True)  # as with jax.grad: fresh Variables to mutate
+        return jnp.sum(m(x) ** 2), nnx.state(m, nnx.Not(nnx.Param))
+
+    (expected, new_ref) = jax.grad(loss, has_aux=True)(params, rest)
+    names = []
+    (grads, new_rest), captured = maybe_jit(
+        vk.grad(loss, has_aux=True, capture=["fc", "drop", "bn", "head"])
+    )(params, rest)
+    tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
+    # the same dropout key was drawn (count advanced once) and the same batch statistics kept
+    plain = lambda t: jax.tree.map(
+        lambda a: jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a,
+        nnx.to_pure_dict(t),
+    )
+    tree_allclose(plain(new_rest), plain(new_ref), rtol=1e-6, atol=1e-7)
+    assert int(new_rest["drop"]["rngs"]["count"][...]) == int(rest["drop"]["rngs"]["count"][...]) + 1
+    # records: a stateful call's output is (y, new state); its y feeds the next layer
+    y_drop, state_drop = captured["drop"].output
+    np.testing.assert_array_equal(captured["bn"].input, y_drop)
+    assert int(state_drop["rngs"]["count"]) == int(new_rest["drop"]["rngs"]["count"][...])
+    y_bn, state_bn = captured["bn"].output
+    np.testing.assert_allclose(state_bn["mean"], new_ref["bn"]["mean"][...], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(captured["head"].input, y_bn)
+    # dense algebra on the layers around them, and bn's grad_params against jax.grad
+    head, fc = captured["head"], captured["fc"]
+    np.testing.assert_allclose(head.grad_params["kernel"], y_bn.T @ head.grad_output, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fc.grad_params["kernel"], x.T @ fc.grad_output, rtol=1e-5, atol=1e-6)
+    tree_allclose(captured["bn"].grad_params, nnx.to_pure_dict(expected["bn"]), rtol=1e-5, atol=1e-6)
+    tree_allclose(fc.grad_params, nnx.to_pure_dict(expected["fc"]), rtol=1e-5, atol=1e-6)
+    # dropout's grad_input is its mask times the incoming cotangent: zero where it dropped
+    g_drop = captured["drop"]
+    np.testing.assert_array_equal(g_drop.grad_input == 0, y_drop == 0)
+    vk.grad(lambda p, r: loss(p, r)[0], hooks={"*": lambda rec: names.append(rec.name)})(params, rest)
+    assert sorted(names) == ["Noisy", "bn", "drop", "fc", "head"]
+
+
+def test_stateful_modules_in_eval_mode_record_plain_outputs(maybe_jit):
+    model = vk.hookable(Noisy(nnx.Rngs(0, dropout=1)))
     model.eval()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    x = jnp.ones((2, 3))
+    x = jax.random.normal(jax.random.key(1), (6, 3))
 
     def loss(p):
         return jnp.sum(nnx.merge(graphdef, p, rest)(x) ** 2)
 
-    names = []
-    grads = vk.grad(loss, hooks={"*": lambda rec: names.append(rec.name)})(params)
-    assert names == ["fc"]  # Drop and Dropout hold RNG state: plain calls
-    tree_allclose(grads, jax.grad(loss)(params))
+    expected = jax.grad(loss)(params)
+    grads, captured = maybe_jit(vk.grad(loss, capture=["drop", "bn"]))(params)
+    tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
+    # nothing changed: the outputs are plain arrays, dropout is the identity
+    np.testing.assert_array_equal(captured["drop"].output, captured["drop"].input)
+    np.testing.assert_array_equal(captured["drop"].grad_input, captured["drop"].grad_output)
+    assert captured["bn"].output.shape == (6, 4)
 
 
 def test_per_example_norms_fast_paths_equal_vmap_grad(maybe_jit):

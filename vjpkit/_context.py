@@ -122,7 +122,8 @@ def activate(scope: Any) -> Iterator[Any]:
     scopes = _stack("scopes")
     scopes.append(scope)
     try:
-        with _cache_token(_identity()), (_foreign.interception() if scope is not None else contextlib.nullcontext()):
+        linen = _foreign.interception() if scope is not None else contextlib.nullcontext()
+        with _cache_token(_identity()), linen:
             yield scope
     finally:
         scopes.pop()

@@ -51,13 +51,19 @@ def layer_call(
     kwargs: dict,
     name: str,
     kind: Callable[[], _kinds.LayerKind | None] | None = None,
+    extra: dict | None = None,
 ) -> Any:
-    """``apply(params, *args, **kwargs)`` as the vjpkit layer call ``name``."""
+    """``apply(params, *args, **kwargs)`` as the vjpkit layer call ``name``.
+
+    ``extra``: keyword arguments of arrays that ``apply`` receives as operands of the call that
+    are not part of the record (a module's non-parameter state).
+    """
     positions = [i for i, a in enumerate(args) if _dynamic(a)]
     dyn_kw = {k: v for k, v in kwargs.items() if _dynamic(v)}
     float_kw = {k: v for k, v in dyn_kw.items() if _float_tree(v)}
     pass_kw = {k: v for k, v in dyn_kw.items() if k not in float_kw}
     static_kw = {k: v for k, v in kwargs.items() if k not in dyn_kw}
+    pass_kw.update(extra or {})
     inputs = tuple(args[i] for i in positions)
     if float_kw:
         inputs = (*inputs, float_kw)
