@@ -372,3 +372,69 @@ def test_linen_apply_inside_vmap_records_the_batched_call(maybe_jit):
         np.testing.assert_allclose(
             rec.grad_params["kernel"], rec.input.T @ rec.grad_output, rtol=1e-5, atol=1e-6
         )
+
+
+def _check_rnn_records(rec, kernel_t, h0, xs, expected_kernel):
+    """Per-iteration records of ``h <- tanh(fc(h) + x_t)``: stacked, each ``dW_t = h_t^T g_t``."""
+    steps = xs.shape[0]
+    assert rec.input.shape == (steps, *h0.shape)
+    np.testing.assert_array_equal(rec.input[0], h0)
+    for t in range(steps):
+        np.testing.assert_allclose(
+            kernel_t(rec, t), rec.input[t].T @ rec.grad_output[t], rtol=1e-5, atol=1e-6
+        )
+        if t + 1 < steps:  # the next iteration's input is this one's new state
+            np.testing.assert_allclose(
+                rec.input[t + 1], jnp.tanh(rec.output[t] + xs[t]), rtol=1e-5, atol=1e-6
+            )
+    total = sum(kernel_t(rec, t) for t in range(steps))
+    np.testing.assert_allclose(total, expected_kernel, rtol=1e-5, atol=1e-6)
+
+
+def test_nnx_module_inside_lax_scan_gives_one_record_per_iteration(maybe_jit):
+    pytest.importorskip("flax", reason="Flax is an optional extra: pip install 'vjpkit[flax]'")
+    from flax import nnx
+
+    class RNN(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(3, 3, rngs=rngs)
+
+        def __call__(self, h, xs):
+            return jax.lax.scan(lambda h, x: (jnp.tanh(self.fc(h) + x), None), h, xs)[0]
+
+    graphdef, state = nnx.split(vk.hookable(RNN(nnx.Rngs(0))))
+    xs = jax.random.normal(jax.random.key(4), (5, 2, 3))
+    h0 = jax.random.normal(jax.random.key(5), (2, 3))
+    loss = lambda s, h0, xs: jnp.sum(nnx.merge(graphdef, s)(h0, xs) ** 2)
+    expected = jax.grad(loss)(state, h0, xs)
+    grads, cap = maybe_jit(vk.grad(loss, capture="fc"))(state, h0, xs)
+    _close(nnx.to_pure_dict(grads), nnx.to_pure_dict(expected))
+    kernel_t = lambda rec, t: rec.grad_params["kernel"][t]
+    _check_rnn_records(cap["fc"], kernel_t, h0, xs, expected["fc"]["kernel"][...])
+
+
+def test_linen_nn_scan_gives_one_record_per_iteration(maybe_jit):
+    nn = pytest.importorskip("flax.linen", reason="Flax is an optional extra: pip install 'vjpkit[flax]'")
+
+    class Step(nn.Module):
+        @nn.compact
+        def __call__(self, h, x):
+            h = jnp.tanh(nn.Dense(3, name="fc")(h) + x)
+            return h, None
+
+    class RNN(nn.Module):
+        @nn.compact
+        def __call__(self, h, xs):
+            scan = nn.scan(Step, variable_broadcast="params", split_rngs={"params": False})
+            return scan(name="step")(h, xs)[0]
+
+    model = RNN()
+    xs = jax.random.normal(jax.random.key(4), (5, 2, 3))
+    h0 = jax.random.normal(jax.random.key(5), (2, 3))
+    params = model.init(jax.random.key(0), h0, xs)
+    loss = lambda p, h0, xs: jnp.sum(model.apply(p, h0, xs) ** 2)
+    expected = jax.grad(loss)(params, h0, xs)
+    grads, cap = maybe_jit(vk.grad(loss, capture="step/fc"))(params, h0, xs)
+    _close(grads, expected)
+    kernel_t = lambda rec, t: rec.grad_params["kernel"][t]
+    _check_rnn_records(cap["step/fc"], kernel_t, h0, xs, expected["params"]["step"]["fc"]["kernel"])
