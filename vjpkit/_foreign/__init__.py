@@ -1,8 +1,9 @@
 """Foreign models: Flax linen, Flax NNX and Equinox modules as vjpkit layer calls.
 
 Contract: nothing here imports flax or equinox at ``import vjpkit``; each submodule imports
-its framework lazily. ``interception()`` is what a vjpkit transform enters while it traces (a
-no-op unless ``flax.linen`` has been imported); ``vjpkit._hookable.hookable`` makes NNX and
+its framework lazily. ``interception()`` is what ``_context.activate`` enters whenever a scope
+becomes active, i.e. while a vjpkit transform traces (a no-op unless ``flax.linen`` has been
+imported; installed once when scopes nest); ``vjpkit._hookable.hookable`` makes NNX and
 Equinox models hookable. ``_kinds`` tags foreign layer calls with the kind of layer they are,
 for the per-example fast paths.
 """
