@@ -438,3 +438,21 @@ def test_linen_nn_scan_gives_one_record_per_iteration(maybe_jit):
     _close(grads, expected)
     kernel_t = lambda rec, t: rec.grad_params["kernel"][t]
     _check_rnn_records(cap["step/fc"], kernel_t, h0, xs, expected["params"]["step"]["fc"]["kernel"])
+
+
+def test_linen_under_nested_hooked_transforms(maybe_jit):
+    """grad of a hooked grad: the interception is installed once, each module call is one call."""
+    case = _linen()
+    x, y = _data()
+    inner = []
+
+    def penalty(p):
+        g = vk.grad(case.loss, hooks={"*": vk.on_host(lambda rec: inner.append(rec.name))})(p, x, y)
+        return sum(jnp.sum(a**2) for a in jax.tree.leaves(g))
+
+    plain = lambda p: sum(jnp.sum(a**2) for a in jax.tree.leaves(jax.grad(case.loss)(p, x, y)))
+    expected = jax.grad(plain)(case.params)
+    grads = maybe_jit(vk.grad(penalty, hooks={"fc*": lambda rec: None}))(case.params)
+    jax.effects_barrier()
+    _close(grads, expected, rtol=1e-4, atol=1e-6)
+    assert sorted(inner) == sorted(["fc1", "fc2", case.root])  # once each, no double interception
