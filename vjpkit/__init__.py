@@ -25,9 +25,9 @@ from ._explicit import jacobian as jacobian
 from ._explicit import jvp as jvp
 from ._explicit import linearize as linearize
 from ._explicit import vjp as vjp
+from ._hookable import hookable as hookable
 from ._hooks import HookTransform as HookTransform
 from ._hooks import hook_chain as hook_chain
-from ._hookable import hookable as hookable
 from ._host import on_host as on_host
 from ._records import Cotangents as Cotangents
 from ._records import Tangents as Tangents
