@@ -8,7 +8,10 @@ per parameter leaf):
   pass, records captured in the graph, ``||x_i|| * ||d_i||`` per dense layer (it also returns
   the loss and the batch gradient, and runs its consistency check);
 * ``vmap(grad)``: ``jax.vmap(jax.grad(l_i))`` over the batch, then the norms;
-* ``value_and_grad`` (context only): one plain ``jax.value_and_grad`` of the batch loss.
+* ``value_and_grad`` (context only): one plain ``jax.value_and_grad`` of the batch loss;
+* ``vjpkit (Flax linen)`` and ``vmap(grad) (Flax linen)``: the same two on the same MLP written
+  as a Flax linen module (``nn.Dense`` x 3, the same weights), whose ``Dense`` calls vjpkit
+  records with no wrapping (when Flax is installed; ``--no-flax`` leaves them out).
 
 Time: interleaved rounds after a warm-up; each round times every variant, in a shuffled order,
 over a block of calls; the figure is the median over rounds of the per-call time, and the
@@ -24,7 +27,7 @@ Peak memory, each variant in a fresh subprocess:
 * ``rss_total_mb``: ``ru_maxrss`` after running minus before compiling (compilation included).
 
 Usage: ``python benchmarks/per_example_bench.py [--rounds 15] [--block 10] [--batch 256]
-[--quick] [--out benchmarks/per_example_results.json]``. Run it on an idle machine.
+[--quick] [--no-flax] [--out benchmarks/per_example_results.json]``. Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -55,17 +58,23 @@ from peers import xla_memory  # noqa: E402
 from vjpkit.inspect import per_example_grad_norms  # noqa: E402
 
 VARIANTS = ("vjpkit", "vmap(grad)", "value_and_grad")
+FLAX_VARIANTS = ("vjpkit (Flax linen)", "vmap(grad) (Flax linen)")
 TARGET_SPEEDUP, TARGET_MEMORY = 3.0, 5.0
 
 
-def setup(batch: int):
-    _, model, _, shape, classes = mlp_mnist()
-    x, y = data((batch, shape[1]), classes)
-    params = model.init(jax.random.key(0), x)
+def have_flax() -> bool:
+    try:
+        import flax.linen  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    def loss_fn(params, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, x), y).mean()
 
+def variants(flax: bool) -> tuple[str, ...]:
+    return VARIANTS + (FLAX_VARIANTS if flax else ())
+
+
+def _naive(loss_fn, batch: int):
     def naive(params, x, y):
         def single(p, xi, yi):
             return loss_fn(p, xi[None], yi[None])
@@ -75,12 +84,58 @@ def setup(batch: int):
         total = jnp.sqrt(sum(jnp.square(n) for n in jax.tree.leaves(per_leaf)))
         return total, per_leaf
 
+    return naive
+
+
+def _flax_mlp():
+    import flax.linen as fnn
+
+    class MLP(fnn.Module):
+        @fnn.compact
+        def __call__(self, x):
+            x = fnn.relu(fnn.Dense(512, name="fc1")(x))
+            x = fnn.relu(fnn.Dense(512, name="fc2")(x))
+            return fnn.Dense(10, name="fc3")(x)
+
+    return MLP()
+
+
+def setup(batch: int, flax: bool = False):
+    """``({variant: jitted fn}, args)``; with ``flax``, also the Flax linen variants (the args
+    then end with the linen params, the same weights as the vjpkit model's)."""
+    _, model, _, shape, classes = mlp_mnist()
+    x, y = data((batch, shape[1]), classes)
+    params = model.init(jax.random.key(0), x)
+
+    def loss_fn(params, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, x), y).mean()
+
     fns = {
         "vjpkit": jax.jit(per_example_grad_norms(loss_fn)),
-        "vmap(grad)": jax.jit(naive),
+        "vmap(grad)": jax.jit(_naive(loss_fn, batch)),
         "value_and_grad": jax.jit(jax.value_and_grad(loss_fn)),
     }
-    return fns, (params, x, y)
+    if not flax:
+        return fns, (params, x, y)
+    mlp = _flax_mlp()
+    flax_params = {"params": {k: {"kernel": v["weight"], "bias": v["bias"]} for k, v in params.items()}}
+
+    def flax_loss(params, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(mlp.apply(params, x), y).mean()
+
+    # each takes the vjpkit args and ignores them for the linen params (the same weights)
+    fns["vjpkit (Flax linen)"] = _on_flax(per_example_grad_norms(flax_loss))
+    fns["vmap(grad) (Flax linen)"] = _on_flax(_naive(flax_loss, batch))
+    return fns, (params, x, y, flax_params)
+
+
+def _on_flax(fn):
+    return jax.jit(lambda params, x, y, flax_params: fn(flax_params, x, y))
+
+
+def _base_args(variant, args):
+    """The arguments ``fns[variant]`` takes."""
+    return args if variant in FLAX_VARIANTS else args[:3]
 
 
 def _status_kb(field: str) -> int | None:
@@ -96,7 +151,8 @@ def _status_kb(field: str) -> int | None:
 
 def child(variant: str, batch: int) -> dict:
     """Memory of one variant, measured in this (fresh) process."""
-    fns, args = setup(batch)
+    fns, args = setup(batch, flax=variant in FLAX_VARIANTS)
+    args = _base_args(variant, args)
     jax.block_until_ready(args)
     before_compile = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     compiled = fns[variant].lower(*args).compile()
@@ -129,28 +185,40 @@ def memory(variant: str, batch: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def timing(batch: int, rounds: int, block: int) -> dict:
-    fns, args = setup(batch)
-    for fn in fns.values():  # compile and warm up
+def timing(batch: int, rounds: int, block: int, flax: bool = False) -> dict:
+    fns, args = setup(batch, flax)
+    names = variants(flax)
+    for v in names:  # compile and warm up
         for _ in range(2):
-            jax.block_until_ready(fn(*args))
-    per_call = {v: [] for v in VARIANTS}
+            jax.block_until_ready(fns[v](*_base_args(v, args)))
+    per_call = {v: [] for v in names}
     rng = random.Random(0)
     for _ in range(rounds):
-        order = list(VARIANTS)
+        order = list(names)
         rng.shuffle(order)
         for v in order:
+            a = _base_args(v, args)
             start = time.perf_counter()
             for _ in range(block):
-                out = fns[v](*args)
+                out = fns[v](*a)
             jax.block_until_ready(out)
             per_call[v].append((time.perf_counter() - start) / block)
     ratios = [n / k for n, k in zip(per_call["vmap(grad)"], per_call["vjpkit"])]
-    return dict(
+    out = dict(
         median_ms={v: statistics.median(t) * 1e3 for v, t in per_call.items()},
         speedup=statistics.median(ratios),
         speedup_range=(min(ratios), max(ratios)),
     )
+    if flax:
+        flax_ratios = [
+            n / k for n, k in zip(per_call["vmap(grad) (Flax linen)"], per_call["vjpkit (Flax linen)"])
+        ]
+        out["flax_speedup"] = statistics.median(flax_ratios)
+        out["flax_speedup_range"] = (min(flax_ratios), max(flax_ratios))
+        # the Flax model has the vjpkit model's weights: the norms must agree
+        a, b = fns["vjpkit"](*args[:3])[2].total, fns["vjpkit (Flax linen)"](*args)[2].total
+        out["flax_max_rel_diff"] = float(jnp.max(jnp.abs(a - b) / jnp.abs(a)))
+    return out
 
 
 def main(argv=None) -> dict:
@@ -160,7 +228,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="3 rounds of 2 calls: a smoke run")
     parser.add_argument("--out", default=str(HERE / "per_example_results.json"))
-    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--no-flax", action="store_true", help="leave out the Flax linen rows")
+    parser.add_argument("--child", choices=VARIANTS + FLAX_VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.batch)))
@@ -168,9 +237,10 @@ def main(argv=None) -> dict:
     if args.quick:
         args.rounds, args.block = 3, 2
 
+    flax = not args.no_flax and have_flax()
     load_before = os.getloadavg()[0]
-    mem = {v: memory(v, args.batch) for v in VARIANTS}
-    t = timing(args.batch, args.rounds, args.block)
+    mem = {v: memory(v, args.batch) for v in variants(flax)}
+    t = timing(args.batch, args.rounds, args.block, flax)
     memory_ratio = mem["vmap(grad)"]["xla_peak_mb"] / mem["vjpkit"]["xla_peak_mb"]
     rss = [mem[v]["rss_run_mb"] for v in ("vmap(grad)", "vjpkit")]
     rss_ratio = rss[0] / max(rss[1], 1e-3) if None not in rss else None
@@ -182,7 +252,7 @@ def main(argv=None) -> dict:
         "| RSS while running (MB) | RSS incl. compile (MB) |"
     )
     print("|---|---:|---:|---:|---:|")
-    for v in VARIANTS:
+    for v in variants(flax):
         m = mem[v]
         run_mb = "n/a" if m["rss_run_mb"] is None else f"{m['rss_run_mb']:.1f}"
         print(
@@ -198,6 +268,19 @@ def main(argv=None) -> dict:
         f"(target >= {TARGET_MEMORY:.0f}x {'met' if ok_m else 'NOT met'})"
         + (f", {rss_ratio:.1f}x less RSS while running" if rss_ratio else "")
     )
+    flax_memory_ratio = None
+    if flax:
+        flax_memory_ratio = (
+            mem["vmap(grad) (Flax linen)"]["xla_peak_mb"] / mem["vjpkit (Flax linen)"]["xla_peak_mb"]
+        )
+        flo, fhi = t["flax_speedup_range"]
+        print(
+            f"Flax linen: vjpkit vs vmap(grad) {t['flax_speedup']:.1f}x faster "
+            f"(per-round {flo:.1f}-{fhi:.1f}), "
+            f"{flax_memory_ratio:.1f}x less XLA peak memory; vjpkit on Flax / on vjpkit.nn: "
+            f"{t['median_ms']['vjpkit (Flax linen)'] / t['median_ms']['vjpkit']:.2f}x the time; "
+            f"norms agree to {t['flax_max_rel_diff']:.1e} (relative)"
+        )
     result = dict(
         meta=dict(
             date=datetime.datetime.now().isoformat(timespec="seconds"),
@@ -215,6 +298,14 @@ def main(argv=None) -> dict:
         speedup_range=list(t["speedup_range"]),
         memory=mem,
         xla_peak_memory_ratio=memory_ratio,
+        flax=None
+        if not flax
+        else dict(
+            speedup=t["flax_speedup"],
+            speedup_range=list(t["flax_speedup_range"]),
+            xla_peak_memory_ratio=flax_memory_ratio,
+            max_rel_diff_vs_nn=t["flax_max_rel_diff"],
+        ),
         rss_run_memory_ratio=rss_ratio,
         targets=dict(speedup=TARGET_SPEEDUP, memory=TARGET_MEMORY, speedup_met=ok_t, memory_met=ok_m),
     )

@@ -16,11 +16,15 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+# pages whose snippets use optional extras: skipped without them
+NEEDS = {"docs/bring-your-own-model.md": {"flax": "flax", "equinox": "equinox"}}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_doc_snippets_run_and_print_what_they_show(page):
+    for module, extra in NEEDS.get(page, {}).items():
+        pytest.importorskip(module, reason=f"{page} needs an optional extra: pip install 'vjpkit[{extra}]'")
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
     namespace: dict = {}
     for block in blocks:

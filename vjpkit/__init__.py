@@ -25,6 +25,7 @@ from ._explicit import jacobian as jacobian
 from ._explicit import jvp as jvp
 from ._explicit import linearize as linearize
 from ._explicit import vjp as vjp
+from ._hookable import hookable as hookable
 from ._hooks import HookTransform as HookTransform
 from ._hooks import hook_chain as hook_chain
 from ._host import on_host as on_host
@@ -68,6 +69,7 @@ __all__ = [
     "grad",
     "histogram",
     "hook_chain",
+    "hookable",
     "hvp",
     "init_hook_state",
     "inspect",

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from . import _foreign
 from ._errors import ConfigError
 
 _local = threading.local()
@@ -113,11 +114,16 @@ def _identity() -> Any:
 
 @contextlib.contextmanager
 def activate(scope: Any) -> Iterator[Any]:
-    """Makes ``scope`` current for the duration (``None`` suspends every scope)."""
+    """Makes ``scope`` current for the duration (``None`` suspends every scope).
+
+    While a scope is active, Flax linen module calls are layer calls (``_foreign.interception``,
+    a no-op unless ``flax.linen`` has been imported).
+    """
     scopes = _stack("scopes")
     scopes.append(scope)
     try:
-        with _cache_token(_identity()):
+        linen = _foreign.interception() if scope is not None else contextlib.nullcontext()
+        with _cache_token(_identity()), linen:
             yield scope
     finally:
         scopes.pop()

@@ -67,6 +67,7 @@ from .. import _context, _engine
 from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import capture as _capture
 from .._errors import ConfigError
+from .._foreign import _kinds as _foreign_kinds
 from ..nn import _kinds
 
 __all__ = ["PerExampleNorms", "dp_clip", "dp_noise", "per_example_grad_norms"]
@@ -101,6 +102,10 @@ class _Call:
     params: dict[str, tuple[int | None, tuple[int, ...]]]  # local name -> (leaf index | None, shape)
     derived: list[str]  # local names of params computed inside the loss (not leaves of params)
     kind: Any = None  # what the layer noted about itself (nn._kinds), e.g. an AffineNorm
+    tree: Any = None  # the structure of the call's params, and the leaf index of each of its leaves
+    order: list[int | None] = dataclasses.field(default_factory=list)
+    foreign: _foreign_kinds.LayerKind | None = None  # a foreign layer's kind (Flax, NNX, Equinox)
+    container: bool = False  # a foreign call that contains other layer calls (a parent module)
 
 
 def _path_name(path: Sequence[Any]) -> str:
@@ -122,7 +127,7 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
     def flat(*leaves):
         return loss_fn(jax.tree.unflatten(tree, leaves), *batch), None
 
-    with _kinds.collect() as kinds:
+    with _kinds.collect() as kinds, _foreign_kinds.collect() as registry:
         traced = _engine.trace(_context.Config((), (), who), flat, leaves)
     out = traced.closed.out_avals[0]
     if not (hasattr(out, "shape") and tuple(out.shape) == ()):
@@ -136,13 +141,20 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
         site = traced.plan.by_key[key]
         n = site.eqn.params["n_hoisted"]
         paths = jax.tree_util.tree_flatten_with_path(site.record.params)[0]
-        entries, derived = {}, []
+        entries, derived, order = {}, [], []
         for (path, aval), origin, flag in zip(paths, site.origins[n:], site.flags[n:]):
             local_name = _path_name(path)
             if origin is None and flag:
                 derived.append(local_name)
             entries[local_name] = (origin, tuple(aval.shape))
-        calls.append(_Call(key, site.name, entries, derived, kinds.get(site.name)))
+            order.append(origin)
+        params_tree = jax.tree.structure(site.record.params)
+        call = _Call(key, site.name, entries, derived, kinds.get(site.name), params_tree, order)
+        call.foreign = registry.kinds.get(call.name)
+        call.container = call.name in registry.containers
+        if call.foreign is not None and call.foreign.kind in ("dense", "conv"):
+            call.params = {call.foreign.roles.get(k, k): v for k, v in call.params.items()}
+        calls.append(call)
     return calls
 
 
@@ -215,8 +227,15 @@ def _classify(call: _Call, rec: Any, batch_size: int, conv_cfg: dict, who: str) 
             and not call.derived
         )
         return ("norm", call.kind) if ok else (None, None)
+    if call.foreign is not None and call.foreign.kind == "local" and rec is not None:
+        return _classify_local(call, rec, batch_size)
     if "weight" not in roles or not roles <= {"weight", "bias"} or rec is None:
         return None, None
+    if call.foreign is not None and call.foreign.kind == "dense":
+        return _classify_foreign_dense(call, rec, batch_size)
+    if call.foreign is not None and call.foreign.kind == "conv":
+        strides, padding = call.foreign.strides, call.foreign.padding
+        conv_cfg = {_escape(call.name): (strides, padding), **conv_cfg}
     x, d = rec.input, rec.grad_output
     if not (hasattr(x, "shape") and hasattr(d, "shape")) or x.ndim < 2 or d.ndim != x.ndim:
         return None, None
@@ -245,6 +264,32 @@ def _classify(call: _Call, rec: Any, batch_size: int, conv_cfg: dict, who: str) 
             return None, "no-infer"
         return "conv", (tuple(s for s, _ in dims), tuple(p for _, p in dims))
     return None, None
+
+
+def _classify_local(call: _Call, rec: Any, batch_size: int) -> tuple[str | None, Any]:
+    leaves = jax.tree.leaves((rec.input, rec.grad_output))
+    if None in call.order or not leaves or any(np.shape(a)[:1] != (batch_size,) for a in leaves):
+        return None, None
+    return "local", None
+
+
+def _classify_foreign_dense(call: _Call, rec: Any, batch_size: int) -> tuple[str | None, Any]:
+    """A Flax ``Dense``/``DenseGeneral``, NNX ``Linear`` or Equinox ``Linear`` call."""
+    x, d, kind = rec.input, rec.grad_output, call.foreign
+    if not (hasattr(x, "shape") and hasattr(d, "shape")) or x.ndim < kind.in_ndim + 1:
+        return None, None
+    if x.shape[0] != batch_size or d.shape[0] != batch_size or not jnp.issubdtype(x.dtype, jnp.floating):
+        return None, None
+    w = call.params["weight"][1]
+    lead = x.ndim - kind.in_ndim
+    n_in, n_out = int(np.prod(x.shape[lead:])), int(np.prod(d.shape[lead:]))
+    if d.shape[:lead] != x.shape[:lead] or int(np.prod(w)) != n_in * n_out:
+        return None, None
+    split = len(w) - (d.ndim - lead) if not kind.transpose else d.ndim - lead
+    w_in = w[split:] if kind.transpose else w[:split]
+    if int(np.prod(w_in)) != n_in:
+        return None, None
+    return "dense", None
 
 
 # --------------------------------------------------------------------------------------------
@@ -337,6 +382,40 @@ class _DenseWeight(_Leaf):
         return self.guard(jnp.sum(jnp.square(self.g()), axis=0))
 
 
+class _Reshaped(_Leaf):
+    """A dense weight's ``g_i`` computed as ``(in, out)``, reported in the leaf's own layout."""
+
+    def __init__(self, inner: _Leaf, shape: tuple[int, ...], transpose: bool):
+        self.inner, self.shape, self.transpose = inner, shape, transpose
+
+    def _layout(self, g: jax.Array) -> jax.Array:
+        return (g.T if self.transpose else g).reshape(self.shape)
+
+    def sq_norms(self):
+        return self.inner.sq_norms()
+
+    def weighted_sum(self, c):
+        return self._layout(self.inner.weighted_sum(c))
+
+    def sum_sq(self):
+        return self._layout(self.inner.sum_sq())
+
+
+def _local_per_example(call: _Call, param_leaves: list, x: Any, d: Any) -> dict[str, jax.Array]:
+    """Per-example gradients of one call's params: a vmap of *that layer's* vjp over examples."""
+    kind = call.foreign
+    p = jax.tree_util.tree_unflatten(call.tree, [param_leaves[i] for i in call.order])
+
+    def one(xi, di):
+        if kind.batched:
+            xi, di = jax.tree.map(lambda a: a[None], (xi, di))
+        _, pullback = jax.vjp(lambda q: kind.fn(q, xi), p)
+        return pullback(di.astype(jnp.result_type(di)))[0]
+
+    g = jax.vmap(one)(x, d)
+    return {_path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]}
+
+
 def _conv_per_example(x: jax.Array, d: jax.Array, kernel_shape, strides, pads) -> jax.Array:
     """Per-example kernel gradients ``(B, *kernel_shape)`` of one conv call (1-D or 2-D), exactly."""
     zero = jnp.zeros(kernel_shape, x.dtype)
@@ -391,7 +470,7 @@ def analyze(
     batch_size = _batch_size(batch, who)
     flat_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [_path_name(p) for p, _ in flat_paths]
-    calls = _map_calls(loss_fn, params, batch, who)
+    calls = [c for c in _map_calls(loss_fn, params, batch, who) if not c.container]
     conv = dict(conv or {})
 
     owners, wanted = [], []
@@ -402,6 +481,8 @@ def analyze(
 
     def _could_be_fast(c: _Call) -> bool:
         shapes = {k: s for k, (_, s) in c.params.items()}
+        if c.foreign is not None and c.foreign.kind in ("local", "dense"):
+            return any(ix is not None and wanted[ix] for ix, _ in c.params.values())
         shaped = (
             "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
         )
@@ -451,12 +532,36 @@ def analyze(
         kind, role = kinds.pop()
         agg = grad_leaves[i] if check else None
         recs = [captured[x.key] for x in u]
+        if kind == "local":
+            g = 0.0
+            for r, x_use in zip(recs, u):
+                call = next(c for c in calls if c.key == x_use.key)
+                pex = _local_per_example(call, param_leaves, r.input, r.grad_output)
+                g = g + pex[x_use.role].astype(jnp.float32) * jnp.float32(scale)
+            ok = None
+            if agg is not None:
+                bound = jnp.sum(jnp.abs(g), axis=0)
+                ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
+            leaves.append(_Materialized(g, ok))
+            continue
         if kind == "dense" and role == "weight":
+            foreign = [next(c.foreign for c in calls if c.key == x_use.key) for x_use in u]
+            fk = foreign[0]
+            n_in_axes = fk.in_ndim if fk is not None else 1
             xs = [r.input.astype(jnp.float32) for r in recs]
             ds = [scaled(r.grad_output) for r in recs]
-            x = jnp.concatenate([a.reshape(batch_size, -1, a.shape[-1]) for a in xs], axis=1)
-            d = jnp.concatenate([a.reshape(batch_size, -1, a.shape[-1]) for a in ds], axis=1)
-            leaves.append(_DenseWeight(x, d, None if agg is None else scaled(agg), check))
+            lead = xs[0].ndim - n_in_axes
+            x = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in xs], 1)
+            d = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in ds], 1)
+            agg_2d = None
+            if agg is not None:
+                agg_2d = scaled(agg)
+                agg_2d = agg_2d.reshape(d.shape[-1], x.shape[-1]).T if fk and fk.transpose else agg_2d
+                agg_2d = agg_2d.reshape(x.shape[-1], d.shape[-1])
+            leaf = _DenseWeight(x, d, agg_2d, check)
+            if fk is not None and (fk.transpose or n_in_axes > 1 or lead + 1 < ds[0].ndim):
+                leaf = _Reshaped(leaf, tuple(grad_leaves[i].shape), fk.transpose)
+            leaves.append(leaf)
             continue
         if kind == "norm":
             shape = grad_leaves[i].shape
@@ -466,10 +571,12 @@ def analyze(
             continue
         if role == "bias":
             ds = [scaled(r.grad_output) for r in recs]
-            g = sum(jnp.sum(a.reshape(batch_size, -1, a.shape[-1]), axis=1) for a in ds)
+            b_shape = tuple(grad_leaves[i].shape)
+            nb = int(np.prod(b_shape))
+            g = sum(jnp.sum(a.reshape(batch_size, -1, nb), axis=1) for a in ds).reshape(batch_size, *b_shape)
             ok = None
             if agg is not None:
-                bound = sum(jnp.sum(jnp.abs(a), axis=tuple(range(a.ndim - 1))) for a in ds)
+                bound = sum(jnp.sum(jnp.abs(a.reshape(-1, *b_shape)), axis=0) for a in ds)
                 ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
             leaves.append(_Materialized(g, ok))
             continue
