@@ -408,3 +408,21 @@ def test_gru_cell_records_one_per_time_step(maybe_jit):
     tree_allclose(rec.input[1], jnp.swapaxes(xs, 0, 1), rtol=1e-6)
     tree_allclose(jax.tree.map(lambda a: a.sum(0), rec.grad_params), g["enc"], rtol=1e-5, atol=1e-6)
     tree_allclose(g, jax.grad(loss)(params, xs), rtol=1e-5)
+
+
+def test_prng_key_inputs_are_captured_exactly(maybe_jit):
+    noisy = nn.layer(
+        lambda p, x, key: x * p["a"] + jax.random.normal(key, x.shape),
+        lambda k, x, key: {"a": jnp.ones(())},
+        name="noisy",
+    )
+    key = jax.random.key(11)
+
+    def loss(p, x):
+        return jnp.sum(noisy.apply(p, x, key) ** 2)
+
+    p = {"a": jnp.array(0.5)}
+    g, captured = maybe_jit(vk.grad(loss, capture="noisy"))(p, H0)
+    got_key = captured["noisy"].input[1]
+    np.testing.assert_array_equal(jax.random.key_data(got_key), jax.random.key_data(key))
+    tree_allclose(g, jax.grad(loss)(p, H0), rtol=1e-6)

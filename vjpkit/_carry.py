@@ -4,7 +4,7 @@ Contract: ``slot_avals(record, spec)`` gives the probe's shapes for a call whose
 shapes ``record``; ``slot_value(spec, rec)`` is the probe cotangent the rule returns;
 ``decode`` puts a carried leaf back in its dtype. Cotangents are floats, so integer and boolean
 leaves travel as 16-bit chunks in float32 (exact, whatever is added to them), one chunk axis
-in front of the leaf's own axes.
+in front of the leaf's own axes; a PRNG key travels as its key data.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ def _chunks(dtype: Any) -> int:
     return 1 if dtype == np.bool_ else max(1, dtype.itemsize // 2)
 
 
+def _is_key(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _carried(a: Any) -> Any:
+    if _is_key(a.dtype):  # a PRNG key travels as its key data
+        a = jax.eval_shape(jax.random.key_data, a)
     if jnp.issubdtype(a.dtype, jnp.inexact):
         return a
     return jax.ShapeDtypeStruct((_chunks(a.dtype), *a.shape), jnp.float32)
@@ -35,6 +41,8 @@ def _unsigned(dtype: Any) -> Any:
 
 
 def encode(x: jax.Array) -> jax.Array:
+    if _is_key(x.dtype):
+        x = jax.random.key_data(x)
     if jnp.issubdtype(x.dtype, jnp.inexact):
         return x
     if x.dtype == jnp.bool_:
@@ -44,6 +52,8 @@ def encode(x: jax.Array) -> jax.Array:
 
 
 def decode(c: jax.Array, dtype: Any, lead: int) -> jax.Array:
+    if _is_key(dtype):
+        return jax.random.wrap_key_data(decode(c, jnp.uint32, lead), impl=dtype._impl)
     if jnp.issubdtype(dtype, jnp.inexact):
         return c.astype(dtype)
     c = jnp.moveaxis(c, lead, 0)
@@ -60,9 +70,9 @@ def slot_avals(record: Cotangents, spec: Any, n_host: int = 0) -> dict:
     reduced = jax.eval_shape(lambda r: reduce_record(r, spec), record) if spec is not None else None
     return {
         "captured": jax.tree.map(_carried, reduced),
-        "dtypes": jax.tree.map(lambda a: np.dtype(a.dtype), reduced),
+        "dtypes": jax.tree.map(lambda a: a.dtype, reduced),
         "host": tuple(jax.tree.map(_carried, record) for _ in range(n_host)),
-        "host_dtypes": jax.tree.map(lambda a: np.dtype(a.dtype), record),
+        "host_dtypes": jax.tree.map(lambda a: a.dtype, record),
         "ran": jax.ShapeDtypeStruct((), jnp.float32),
     }
 

@@ -72,7 +72,10 @@ def _hoist(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, list]:
     keep = [c for c, up in zip(closed.consts, lift) if not up]
     hoisted_vars = [v for v, up in zip(j.constvars, lift) if up]
     hoisted = [c for c, up in zip(closed.consts, lift) if up]
-    new = jcore.Jaxpr(keep_vars, [*hoisted_vars, *j.invars], j.outvars, j.eqns, j.effects)
+    info = j.debug_info
+    if info is not None and info.arg_names is not None:
+        info = info._replace(arg_names=(*(f"closed-over {i}" for i in range(len(hoisted))), *info.arg_names))
+    new = jcore.Jaxpr(keep_vars, [*hoisted_vars, *j.invars], j.outvars, j.eqns, j.effects, info)
     return jcore.ClosedJaxpr(new, keep), hoisted
 
 
