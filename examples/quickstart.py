@@ -3,16 +3,18 @@
 A 3-20-30-2 MLP learns whether ``x @ [.1, 2, 3]`` is above its mean. A jit-compiled SGD
 step (momentum 0.8) runs ``vk.value_and_grad`` with ``vk.on_host`` hooks on every ``fc*``
 layer; the hooks collect each step's records into ``grad_dict`` on the host, like the forum's
-``grad_dict``. At the end the script prints the test accuracy and what each cotangent of one
-step is, with its shape.
+``grad_dict``, keeping the last ``--keep`` records per layer (1 by default: only what the
+script prints, so its memory stays that of the same script without hooks). At the end the
+script prints the test accuracy and what each cotangent of one step is, with its shape.
 
-Run: ``python examples/quickstart.py`` (``--steps N`` for a shorter run).
+Run: ``python examples/quickstart.py`` (``--steps N`` for a shorter run; ``--keep N`` to keep
+the last N steps' records). Needs only ``pip install -e .``.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +63,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", type=int, default=1, help="records kept per layer (the last N steps)")
     args = parser.parse_args(argv)
 
     key_data, key_init = jax.random.split(jax.random.key(args.seed))
@@ -69,8 +72,8 @@ def main(argv=None):
     optimizer = optax.sgd(args.lr, momentum=0.8)
     opt_state = optimizer.init(params)
 
-    # grad_dict[layer] is a list of records, one per step, filled on the host during backward.
-    grad_dict: dict[str, list[vk.Cotangents]] = defaultdict(list)
+    # grad_dict[layer] holds the last --keep records, one per step, filled on the host during backward.
+    grad_dict: dict[str, deque[vk.Cotangents]] = defaultdict(lambda: deque(maxlen=args.keep))
     collect = vk.on_host(lambda rec: grad_dict[rec.key].append(rec))
     value_and_grad = vk.value_and_grad(loss_fn, hooks={"fc*": collect})
 

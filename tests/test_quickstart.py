@@ -17,7 +17,7 @@ def dense_fn(p, x):
 
 def test_quickstart_records_are_exact(capsys):
     quickstart = load_example("quickstart")
-    out = quickstart.main(["--steps", "30", "--batch-size", "16"])
+    out = quickstart.main(["--steps", "30", "--batch-size", "16", "--keep", "30"])
     printed = capsys.readouterr().out
     assert "Accuracy of prediction on test dataset" in printed
     assert "grad_input              None" in printed  # fc1's input is the data batch
@@ -45,6 +45,11 @@ def test_quickstart_records_are_exact(capsys):
         labels = np.argmax(probs - fc3.grad_output * fc3.output.shape[0], axis=-1)
         onehot = np.eye(2, dtype=np.float32)[labels]
         np.testing.assert_allclose(fc3.grad_output, (probs - onehot) / 16, rtol=1e-4, atol=1e-7)
+
+
+def test_quickstart_keeps_only_the_last_records_by_default():
+    out = load_example("quickstart").main(["--steps", "5", "--batch-size", "16"])
+    assert {name: len(records) for name, records in out["grad_dict"].items()} == {"fc1": 1, "fc2": 1, "fc3": 1}
 
 
 def test_quickstart_final_params_match_plain_optax():
