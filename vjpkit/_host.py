@@ -2,10 +2,14 @@
 
 Contract: ``on_host(fn, every=1)`` serves two ways.
 
-* As a hook, each matching layer call emits one ordered ``jax.debug.callback``, so ``fn(rec)``
-  runs on the host with numpy arrays, in backward order, once per layer call per step (per
-  example under ``vmap``). ``every=N`` delivers the 1st, (N+1)th, ... record of each call
-  key; that count is kept on the host, so every step still pays the transfer.
+* As a hook inside ``vk.grad`` / ``vk.value_and_grad`` / ``vk.vjp``, it is *deferred*: the
+  record it sees leaves the backward pass with the others, and ``send_records`` makes ONE
+  ordered ``jax.debug.callback`` per backward pass for all hooked calls, however many. On the
+  host ``fn(rec)`` then runs with numpy arrays, in backward order, once per layer call per
+  step (per iteration under ``lax.scan``, per example under ``vmap`` of the transform).
+  ``every=N`` delivers the 1st, (N+1)th, ... record of each call key; that count is kept on
+  the host, so every step still pays the transfer. Elsewhere (``vk.jvp`` tangent hooks, inside
+  ``vk.hook_chain``) each call emits its own callback.
 * As ``vk.capture(..., host=on_host(fn, every=N))``, ``fn(captured)`` receives the whole
   step's captured dict in one transfer; ``every=N`` is then gated inside the graph by a
   step counter in the hook state, so skipped steps transfer nothing.
