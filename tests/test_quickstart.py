@@ -49,7 +49,11 @@ def test_quickstart_records_are_exact(capsys):
 
 def test_quickstart_keeps_only_the_last_records_by_default():
     out = load_example("quickstart").main(["--steps", "5", "--batch-size", "16"])
-    assert {name: len(records) for name, records in out["grad_dict"].items()} == {"fc1": 1, "fc2": 1, "fc3": 1}
+    assert {name: len(records) for name, records in out["grad_dict"].items()} == {
+        "fc1": 1,
+        "fc2": 1,
+        "fc3": 1,
+    }
 
 
 def test_quickstart_final_params_match_plain_optax():

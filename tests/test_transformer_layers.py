@@ -636,31 +636,30 @@ def _bn_params():
     [
         (
             lambda: nn.multi_head_attention(3).init(jax.random.key(0), jnp.ones((2, 5, 8))),
-            r"num_heads=3 must divide features=8 \(from x's last axis, shape \(2, 5, 8\) float32\)",
+            r"num_heads=3 must divide features=8 \(from x's last axis, float32\[2,5,8\]\)",
         ),
         (
             lambda: _mha(jnp.ones((5, 8))),
-            r"multi_head_attention: x must be a float array \(batch, q_len, features\), got shape \(5, 8\) "
-            "float32",
+            r"multi_head_attention: x must be a float array \(batch, q_len, features\), got float32\[5,8\]",
         ),
         (
             lambda: _mha(jnp.ones((2, 5, 8)), mask=jnp.ones((2, 5))),
-            r"mask must be a boolean array.*got shape \(2, 5\) float32",
+            r"mask must be a boolean array.*got float32\[2,5\]",
         ),
         (
             lambda: _attn_params()[0].apply(
                 _attn_params()[1], jnp.ones((2, 5, 8)), mask=jnp.ones((2, 4), bool)
             ),
-            r"mask has shape \(2, 4\) bool; expected \(batch, kv_len\) = \(2, 5\) or a shape broadcastable "
+            r"mask has bool\[2,4\]; expected \(batch, kv_len\) = \(2, 5\) or a shape broadcastable "
             r"to \(batch, heads, q_len, kv_len\) = \(2, 2, 5, 5\)",
         ),
         (
             lambda: _mha(jnp.ones((2, 5, 8)), jnp.ones((3, 4, 8))),
-            r"context has batch 3 \(shape \(3, 4, 8\) float32\) but x has batch 2",
+            r"context has batch 3 \(float32\[3,4,8\]\) but x has batch 2",
         ),
         (
             lambda: _mha(jnp.ones((2, 5, 6))),
-            r"params\['q'\]\['weight'\] must be \(in, features\) with in = 6 .* got shape \(8, 8\) float32",
+            r"params\['q'\]\['weight'\] must be \(in, features\) with in = 6 .* got float32\[8,8\]",
         ),
         (
             lambda: nn.rms_norm().apply({"scale": jnp.ones(4)}, jnp.ones((2, 5))),
@@ -668,12 +667,12 @@ def _bn_params():
         ),
         (
             lambda: nn.rms_norm().apply({"scale": jnp.ones(5)}, jnp.ones((2, 5), jnp.int32)),
-            r"nn.rms_norm: expects a float input .* got shape \(2, 5\) int32",
+            r"nn.rms_norm: expects a float input .* got int32\[2,5\]",
         ),
         (
             lambda: nn.batch_norm().init(jax.random.key(0), jnp.ones((5,))),
             r"nn.batch_norm: expects a float input \(batch, ..., features\) with at least 2 axes, got "
-            r"shape \(5,\)",
+            r"float32\[5\]",
         ),
         (
             lambda: nn.batch_norm().apply({"scale": jnp.ones(5)}, jnp.ones((2, 5))),
@@ -689,7 +688,7 @@ def _bn_params():
         ),
         (
             lambda: nn.conv1d(4, 3).init(jax.random.key(0), jnp.ones((2, 8, 8, 3))),
-            r"nn.conv1d: expects NWC input \(batch, length, channels\), got shape \(2, 8, 8, 3\) float32",
+            r"nn.conv1d: expects NWC input \(batch, length, channels\), got float32\[2,8,8,3\]",
         ),
         (
             lambda: nn.conv1d(4, 3).apply(
@@ -699,11 +698,11 @@ def _bn_params():
         ),
         (
             lambda: nn.gru(4).init(jax.random.key(0), jnp.ones((2, 3)), jnp.ones((2, 5))),
-            r"nn.gru: h must have shape \(batch, features\) = \(2, 4\), got shape \(2, 3\) float32",
+            r"nn.gru: h must have shape \(batch, features\) = \(2, 4\), got float32\[2,3\]",
         ),
         (
             lambda: nn.rnn(nn.gru(4), 4).init(jax.random.key(0), jnp.ones((2, 5))),
-            r"nn.rnn: xs must be a float array \(batch, time, in\), got shape \(2, 5\) float32",
+            r"nn.rnn: xs must be a float array \(batch, time, in\), got float32\[2,5\]",
         ),
     ],
 )
