@@ -6,7 +6,8 @@ layer; the hooks collect each step's records into ``grad_dict`` on the host, lik
 ``grad_dict``. At the end the script prints the test accuracy and what each cotangent of one
 step is, with its shape.
 
-Run: ``python examples/quickstart.py`` (``--steps N`` for a shorter run).
+Run: ``python examples/quickstart.py`` (``--steps N`` for a shorter run). Needs only vjpkit:
+``pip install -e .``.
 """
 
 from __future__ import annotations

@@ -18,9 +18,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
 
 
+# Pages whose snippets use an optional extra: the page's test skips, naming it, when it is absent.
+NEEDS = {"docs/inspect.md": ("matplotlib", "plot")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_doc_snippets_run_and_print_what_they_show(page):
+    if page in NEEDS:
+        module, extra = NEEDS[page]
+        pytest.importorskip(module, reason=f'{page} needs {module}: pip install -e ".[{extra}]"')
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
     namespace: dict = {}
     for block in blocks:
