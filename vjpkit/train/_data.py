@@ -118,10 +118,11 @@ class IterableBatches:
         first = self.first()
         if first is None:
             return
-        pending, self._first = self._first, []  # hand the first batch over once; drop our reference
+        # Hand the first batch over once, keeping no reference: the chain drops it when it moves on.
+        source = itertools.chain([self._first.pop()], self._it)
         size = None
         step = 0
-        for batch in itertools.chain(pending, self._it):
+        for batch in source:
             n = check_batch(batch)
             size = n if size is None else size
             if n == size and step < start:  # already consumed by the run being resumed

@@ -285,12 +285,16 @@ def _loop(
                     else:
                         _warn_nonfinite(step)
         pending.clear()
-        if bar is not None:
-            bar.update(t - bar.n)
-            bar.set_postfix({"loss": f"{history['loss'][-1]:.4g}", **last_eval}, refresh=True)
+        show()
         refreshed[0] = time.perf_counter()
         if stop:
             _raise_nonfinite(stop[0], bad_batch)
+
+    def show() -> None:
+        if bar is not None:
+            bar.update(t - bar.n)
+            loss = {"loss": f"{history['loss'][-1]:.4g}"} if history["loss"] else {}
+            bar.set_postfix({**loss, **last_eval}, refresh=True)
 
     def _warn_nonfinite(bad: int) -> None:
         warnings.warn(
@@ -338,6 +342,7 @@ def _loop(
             on_metrics(t, {f"eval/{name}": float(v) for name, v in result.items()})
         last_eval.clear()
         last_eval.update({f"eval_{name}": f"{float(v):.4g}" for name, v in result.items()})
+        show()
 
     while steps is None or t < steps:
         k = scan_steps if (multi is not None and (steps is None or steps - t >= scan_steps)) else 1
