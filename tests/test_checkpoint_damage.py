@@ -192,3 +192,16 @@ def test_keys_with_dots_and_slashes_stay_distinct(tmp_path):
     restored = vk.train.restore(tmp_path)
     assert sorted(restored) == ["a", "a%2Eb", "x%2Fy"]
     assert os.path.isdir(tmp_path / "0" / "state")
+
+
+def test_restore_leaves_a_save_in_progress_alone(tmp_path):
+    """A reader must not remove the temporary directory of another process's save in progress
+    (a Checkpointer, which writes, cleans such leftovers up when it opens the directory)."""
+    Checkpointer(tmp_path).save(1, {"w": np.ones(3, np.float32)})
+    in_progress = tmp_path / "2.orbax-checkpoint-tmp-1700000000000000"
+    in_progress.mkdir()
+    (in_progress / "part").write_text("being written")
+    assert int(np.asarray(vk.train.restore(tmp_path)["w"]).sum()) == 3
+    assert in_progress.is_dir()
+    Checkpointer(tmp_path).close()
+    assert not in_progress.exists()

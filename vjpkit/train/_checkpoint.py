@@ -180,7 +180,7 @@ class Checkpointer:
             state, meta = ckpt.restore(state)
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 2):
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 2, _read_only: bool = False):
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ConfigError(f"Checkpointer keep must be an int >= 1, got {keep!r}.")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -192,9 +192,11 @@ class Checkpointer:
         self.keep = keep
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
-            create=True,
+            create=not _read_only,
             enable_async_checkpointing=False,
-            cleanup_tmp_directories=True,
+            # a reader (vk.train.restore) must not remove the temporary directory of a save
+            # that a training process has in progress
+            cleanup_tmp_directories=not _read_only,
         )
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -490,7 +492,7 @@ def restore(checkpoint_dir: str | os.PathLike, step: int | None = None, *, targe
     directory = os.path.abspath(os.fspath(checkpoint_dir))
     if not os.path.isdir(directory):
         raise ConfigError(f"no checkpoint directory {directory}.")
-    with Checkpointer(directory, keep=1_000_000) as ckpt:  # keep: never prune on a read
+    with Checkpointer(directory, keep=1_000_000, _read_only=True) as ckpt:
         steps = ckpt.all_steps()
         if not steps:
             raise ConfigError(f"no complete checkpoint in {directory} to restore.")
