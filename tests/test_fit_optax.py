@@ -264,3 +264,30 @@ def test_on_metrics_gets_the_loss_of_every_step_and_each_evaluation():
     losses = [(s, m["train/loss"]) for s, m in got if "train/loss" in m]
     assert losses == list(zip(history["step"], history["loss"]))
     assert [(s, m) for s, m in got if "eval/acc" in m] == [(3, {"eval/acc": 1.0}), (6, {"eval/acc": 1.0})]
+
+
+def test_the_checkpointer_is_closed_on_success_and_on_error(tmp_path, monkeypatch):
+    from vjpkit.train import _checkpoint
+
+    closed = []
+    original = _checkpoint.Checkpointer.close
+    monkeypatch.setattr(_checkpoint.Checkpointer, "close", lambda self: closed.append(original(self)))
+    x, y = make_data()
+    params = init_params(x)
+    vk.train.fit(
+        loss_fn, optax.sgd(0.1), params, (x, y), batch_size=10, steps=2, checkpoint_dir=str(tmp_path)
+    )
+    assert len(closed) == 1
+    x_bad = x.copy()
+    x_bad[:] = np.nan
+    with pytest.raises(vk.NonFiniteError):
+        vk.train.fit(
+            loss_fn,
+            optax.sgd(0.1),
+            params,
+            (x_bad, y),
+            batch_size=10,
+            steps=4,
+            checkpoint_dir=str(tmp_path / "b"),
+        )
+    assert len(closed) == 2

@@ -212,7 +212,7 @@ def read_events(directory: pathlib.Path):
 
 
 def test_tensorboard_event_files(tmp_path):
-    pytest.importorskip("tensorboardX", reason='pip install -e ".[log]"')
+    pytest.importorskip("tensorboardX", reason='writing events needs tensorboardX: pip install -e ".[log]"')
     rng = np.random.default_rng(4)
     with Recorder(tensorboard_dir=str(tmp_path)) as recorder:
         for t in range(4):
@@ -226,7 +226,7 @@ def test_tensorboard_event_files(tmp_path):
 
 
 def test_tensorboard_histograms_loss_and_eval_from_fit(tmp_path):
-    pytest.importorskip("tensorboardX", reason='pip install -e ".[log]"')
+    pytest.importorskip("tensorboardX", reason='writing events needs tensorboardX: pip install -e ".[log]"')
     params, x, y = mlp_setup()
     bins, lo, hi = 8, -0.05, 0.05
     spec = vk.capture("fc*", fields=["grad_params"], reduce=vk.histogram(bins, (lo, hi)))
