@@ -160,7 +160,7 @@ def build_step(
 
 def init_hook_state(loss_fn: Callable, hooks: Any, capture: Any, params: Any, batch: Any) -> dict:
     """The initial ``hook_state`` for ``make_step``'s hooks (``{}`` when none keeps state)."""
-    from .._slots import init_hook_state as _init
+    from .. import init_hook_state as _init  # the public name: the core behind it may move
 
     if hooks is None and capture is None:
         return {}
