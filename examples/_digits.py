@@ -7,8 +7,14 @@ import it (a script's own folder is on ``sys.path``).
 from __future__ import annotations
 
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+
+try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ImportError as err:  # the README's first command installs vjpkit alone
+    raise ImportError(
+        'this example needs scikit-learn, in the examples extra: pip install -e ".[examples]"'
+    ) from err
 
 from vjpkit import nn
 

@@ -13,7 +13,7 @@ result with a one-line explanation:
 5. the seed is the last layer's ``grad_output``, seen by a hook.
 
 Run: ``python examples/backward_seed.py`` (a few seconds; ``--steps`` is accepted for
-uniformity with the other examples and unused).
+uniformity with the other examples and unused). Needs only vjpkit: ``pip install -e .``.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ weight)`` for Linear and ``None`` for the first conv, from the vjpkit shapes (Py
 behaviour as verified on torch 2.13.0 in docs/cotangents.md; this script does not import torch).
 
 Run: ``python examples/explain_shapes.py`` (a few seconds; ``--steps`` is accepted for
-uniformity with the other examples and unused).
+uniformity with the other examples and unused). Needs only vjpkit: ``pip install -e .``.
 """
 
 from __future__ import annotations

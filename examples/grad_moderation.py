@@ -24,6 +24,7 @@ after normalization (captured in-graph with ``capture=``: capture sees the recor
 hooks ran). It ends with the test accuracy.
 
 Run: ``python examples/grad_moderation.py`` (``--steps 20`` for a short run).
+Needs the ``examples`` extra (scikit-learn): ``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations

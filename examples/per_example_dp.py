@@ -17,6 +17,7 @@ prints the median step time and the compiled temporary memory (XLA's ``memory_an
 both, and the test accuracy.
 
 Run: ``python examples/per_example_dp.py`` (``--steps 20`` for a few seconds).
+Needs the ``examples`` extra (scikit-learn): ``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+
+try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ImportError as err:  # the README's first command installs vjpkit alone
+    raise ImportError(
+        'this example needs scikit-learn, in the examples extra: pip install -e ".[examples]"'
+    ) from err
 
 from vjpkit import nn
 from vjpkit.inspect import dp_clip, dp_noise

@@ -16,8 +16,8 @@ three PNGs into ``--out``:
 
 Run: ``python examples/plot_gradients.py --out docs/img`` (a few seconds; without ``--out`` the
 files go to a fresh temporary directory, which is printed). The docs' pictures are made this
-way, and the run is deterministic. Needs matplotlib and scikit-learn
-(``pip install "vjpkit[plot,examples]"``).
+way, and the run is deterministic. Needs the ``examples`` extra (scikit-learn and matplotlib):
+``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ the steps it ran. The captured record is the one *after* the hooks ran, so for t
 these are the norms of the ema-normalized gradients, the ones the optimizer received.
 
 Run: ``python examples/train_digits.py`` (``--steps 30`` for a run of a few seconds).
+Needs the ``examples`` extra (scikit-learn): ``pip install -e ".[examples]"``.
 """
 
 from __future__ import annotations

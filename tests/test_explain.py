@@ -163,7 +163,7 @@ def test_plain_text_lists_every_layer_and_field():
 
 
 def test_rich_table_on_a_terminal():
-    pytest.importorskip("rich")
+    pytest.importorskip("rich", reason='rich tables need rich: pip install -e ".[pretty]"')
 
     class Terminal(io.StringIO):
         def isatty(self):

@@ -20,6 +20,8 @@ import pytest
 import vjpkit as vk
 from tests.helpers import load_example, tree_allclose
 
+pytest.importorskip("sklearn", reason='the digits examples need scikit-learn: pip install -e ".[examples]"')
+
 STEPS = 6
 
 
@@ -49,6 +51,28 @@ def ema_reference(state, raw, decay, eps=1e-8):
     return (count, mean, var), normalized
 
 
+def check_state(got, ref, raw, scale, decay):
+    """The EMA state against the float64 reference, within float32's error on each moment.
+
+    ``mean`` is an EMA of the mean of a gradient whose entries have both signs: it can be far
+    smaller than the entries (1e-7 against 1e-3), and float32 summation errs relative to the
+    entries, not to the mean. So its tolerance is relative to ``scale``, the same EMA of
+    ``mean(|g|)``: 1e-5 of it covers float32 rounding (eps 1.2e-7) over a few hundred entries
+    accumulated pairwise. ``var`` is a mean of squares, with no cancellation: rtol 1e-4.
+    """
+    count, mean, var = ref
+    for k, g in raw.items():
+        scale[k] = decay * scale[k] + (1 - decay) * np.mean(np.abs(g))
+    assert float(got.count) == count
+    for k in mean:
+        np.testing.assert_allclose(got.mean[k], mean[k], rtol=1e-4, atol=1e-5 * scale[k], err_msg=k)
+        np.testing.assert_allclose(got.var[k], var[k], rtol=1e-4, err_msg=k)
+    expected = as_state(ref)  # and the same structure, shapes and dtypes
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        assert np.shape(a) == np.shape(b) and np.asarray(a).dtype == np.asarray(b).dtype
+
+
 def as_state(state):
     count, mean, var = state
     f32 = lambda d: {k: np.float32(v) for k, v in d.items()}
@@ -76,6 +100,7 @@ def test_ema_state_matches_numpy_step_by_step(example, path):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    scale = {name: {"weight": 0.0, "bias": 0.0} for name in gm.CONVS}  # EMA of mean |g|
     for t in range(STEPS):
         params = at(history["params"], t)
         batch = out["idx"][t]
@@ -84,7 +109,7 @@ def test_ema_state_matches_numpy_step_by_step(example, path):
         for name in gm.CONVS:
             raw_np = {k: np.asarray(g, np.float64) for k, g in raw[name].items()}
             ref_state[name], normalized = ema_reference(ref_state[name], raw_np, decay)
-            tree_allclose(at(history["state"][name], t), as_state(ref_state[name]), rtol=1e-4, atol=1e-10)
+            check_state(at(history["state"][name], t), ref_state[name], raw_np, scale[name], decay)
             grads[name] = {k: g.astype(np.float32) for k, g in normalized.items()}
             # what the example prints: raw std (from the EMA update) and normalized std (captured)
             report = run["report"][name]

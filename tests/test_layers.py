@@ -437,7 +437,7 @@ def test_check_grads(case):
 
 
 def test_param_init():
-    """Layouts from DESIGN.md; PyTorch-style uniform(+-1/sqrt(fan_in)); dtype follows the input."""
+    """Documented layouts; PyTorch-style uniform(+-1/sqrt(fan_in)); dtype follows the input."""
     key = jax.random.key(0)
     layers = {
         "dense": (nn.dense(4), (2, 5)),

@@ -20,6 +20,8 @@ import pytest
 from tests.helpers import tree_allclose
 from vjpkit.inspect._per_example import dp_noise
 
+pytest.importorskip("sklearn", reason='the digits examples need scikit-learn: pip install -e ".[examples]"')
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "per_example_dp.py"
 STEPS = 4
 

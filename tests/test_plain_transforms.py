@@ -1,4 +1,4 @@
-"""Outside vk.grad, ``model.apply`` is plain JAX (DESIGN.md): every JAX transform works on it.
+"""Outside vk.grad, ``model.apply`` is plain JAX (README, Layers): every JAX transform works on it.
 
 Each transform of ``model.apply`` is compared with the same transform of a hand-written plain
 ``jnp`` re-implementation of the model (convolution by shifted multiply-adds, max-pool by

@@ -22,7 +22,7 @@ from tests.helpers import load_example
 from tests.models import mlp_loss, mlp_setup
 from vjpkit.inspect import _plots as plots
 
-pytest.importorskip("matplotlib")
+pytest.importorskip("matplotlib", reason='the plots need matplotlib: pip install -e ".[plot]"')
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -357,7 +357,7 @@ def load_plot_example():
 
 @pytest.mark.slow
 def test_example_writes_its_three_pngs(tmp_path, capsys):
-    pytest.importorskip("sklearn")
+    pytest.importorskip("sklearn", reason='the example needs scikit-learn: pip install -e ".[examples]"')
     example = load_plot_example()
     out = example.main(["--steps", "12", "--out", str(tmp_path)])
     printed = capsys.readouterr().out

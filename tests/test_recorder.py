@@ -6,7 +6,6 @@ import csv
 import io
 import json
 import pathlib
-import struct
 import sys
 
 import jax
@@ -198,36 +197,118 @@ def test_host_delivery_counts_steps():
     np.testing.assert_array_equal(every2.series("fc1", "grad_output")[0], [0, 2, 4])
 
 
-def read_scalars(directory: pathlib.Path) -> dict:
-    """``{tag: [(step, value)]}`` from tensorboard event files (TFRecord framing)."""
-    from tensorboardX.proto import event_pb2
-
-    found: dict = {}
-    for path in directory.glob("events.out.tfevents.*"):
-        data = path.read_bytes()
-        i = 0
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i : i + 8])
-            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
-            i += 12 + n + 4
-            for v in event.summary.value:
-                found.setdefault(v.tag, []).append((event.step, v.simple_value))
-    return found
+def read_events(directory: pathlib.Path):
+    """TensorBoard's own reader of the event files in ``directory``, loaded."""
+    pytest.importorskip("tensorboardX", reason='writing events needs tensorboardX: pip install -e ".[log]"')
+    accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason='reading events back needs tensorboard: pip install -e ".[log]"',
+    )
+    events = accumulator.EventAccumulator(
+        str(directory), size_guidance={accumulator.SCALARS: 0, accumulator.HISTOGRAMS: 0}
+    )
+    events.Reload()
+    return events
 
 
 def test_tensorboard_event_files(tmp_path):
-    pytest.importorskip("tensorboardX")
+    pytest.importorskip("tensorboardX", reason='writing events needs tensorboardX: pip install -e ".[log]"')
     rng = np.random.default_rng(4)
     with Recorder(tensorboard_dir=str(tmp_path)) as recorder:
         for t in range(4):
             recorder.update(10 + t, fake_step(rng))
-    scalars = read_scalars(tmp_path)
-    assert scalars, "no event file with scalars"
+    events = read_events(tmp_path)
     steps, values = recorder.series("fc1#1", "grad_params", "weight", "norm")
-    tb = scalars["fc1.call1/grad_params/weight/norm"]
-    assert [s for s, _ in tb] == steps.tolist()
-    np.testing.assert_allclose([v for _, v in tb], values, rtol=1e-6)
-    assert "fc1/grad_output/max" in scalars
+    tb = events.Scalars("fc1.call1/grad_params/weight/norm")
+    assert [e.step for e in tb] == steps.tolist()
+    np.testing.assert_allclose([e.value for e in tb], values, rtol=1e-6)
+    assert "fc1/grad_output/max" in events.Tags()["scalars"]
+
+
+def test_tensorboard_histograms_loss_and_eval_from_fit(tmp_path):
+    pytest.importorskip("tensorboardX", reason='writing events needs tensorboardX: pip install -e ".[log]"')
+    params, x, y = mlp_setup()
+    bins, lo, hi = 8, -0.05, 0.05
+    spec = vk.capture("fc*", fields=["grad_params"], reduce=vk.histogram(bins, (lo, hi)))
+    with Recorder(spec=spec, tensorboard_dir=str(tmp_path)) as recorder:
+        state, history = vk.train.fit(
+            lambda p, b: mlp_loss(p, *b),
+            optax.sgd(0.1),
+            params,
+            (x, y),
+            batch_size=2,
+            steps=6,
+            capture=spec,
+            on_records=recorder.update,
+            eval_fn=lambda p: {"loss": float(mlp_loss(p, x, y))},
+            eval_every=3,
+            on_metrics=recorder.log_metrics,
+        )
+    events = read_events(tmp_path)
+    tags = events.Tags()
+    # the training loss of every step and each evaluation, as fit's history has them
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == history["step"]
+    np.testing.assert_allclose([e.value for e in loss], history["loss"], rtol=1e-6)
+    evals = events.Scalars("eval/loss")
+    assert [e.step for e in evals] == [e["step"] for e in history["eval"]] == [3, 6]
+    np.testing.assert_allclose([e.value for e in evals], [e["loss"] for e in history["eval"]], rtol=1e-6)
+    # one histogram per layer and parameter: the recorded counts, over the spec's bins
+    assert "fc1/grad_params/weight/histogram" in tags["histograms"]
+    for tag in tags["histograms"]:
+        key, _, path, _ = tag.split("/")
+        steps, counts = recorder.series(key, "grad_params", path, "histogram")
+        hist = events.Histograms(tag)
+        assert [h.step for h in hist] == steps.tolist() == list(range(6))
+        for h, expected in zip(hist, counts):
+            np.testing.assert_allclose(h.histogram_value.bucket_limit, np.linspace(lo, hi, bins + 1)[1:])
+            np.testing.assert_array_equal(h.histogram_value.bucket, expected)
+            assert h.histogram_value.num == expected.sum()
+
+
+LAYER_PATHS = (("norm_layer", ("mean", "var")), ("stats", ("min", "max")), ("fc", ("weight", "bias")))
+
+
+def params_named_like_reductions(rng, reduce):
+    """A step of a layer whose parameters are named mean/var/min/max, beside a dense layer."""
+
+    def red():
+        return {r: np.float32(rng.normal()) for r in reduce} if len(reduce) > 1 else np.float32(rng.normal())
+
+    return {
+        "norm_layer": vk.Cotangents(
+            name="norm_layer", call=0, grad_params={k: red() for k in ("mean", "var")}
+        ),
+        "stats": vk.Cotangents(name="stats", call=0, grad_params={k: red() for k in ("min", "max")}),
+        "fc": vk.Cotangents(name="fc", call=0, grad_params={"weight": red(), "bias": red()}),
+    }
+
+
+@pytest.mark.parametrize("with_spec", [True, False], ids=["spec", "no-spec"])
+@pytest.mark.parametrize("reduce", [["norm"], ["norm", "max"]], ids=["one", "two"])
+def test_parameters_named_like_reductions_stay_apart(reduce, with_spec):
+    spec = vk.capture("*", fields=["grad_params"], reduce=reduce if len(reduce) > 1 else reduce[0])
+    recorder = Recorder(spec=spec if with_spec else None)
+    rng = np.random.default_rng(0)
+    steps = [params_named_like_reductions(rng, reduce) for _ in range(3)]
+    for t, captured in enumerate(steps):
+        recorder.update(t, captured)
+    single = reduce[0] if with_spec else "value"
+    expected = {
+        Series(key, "grad_params", path, r if len(reduce) > 1 else single)
+        for key, paths in (
+            ("norm_layer", ("mean", "var")),
+            ("stats", ("min", "max")),
+            ("fc", ("weight", "bias")),
+        )
+        for path in paths
+        for r in reduce
+    }
+    assert set(recorder.keys) == expected
+    got = recorder.series("norm_layer", "grad_params", "var", reduce[-1] if len(reduce) > 1 else None)[1]
+    leaf = lambda c: c["norm_layer"].grad_params["var"]
+    want = [leaf(c)[reduce[-1]] if len(reduce) > 1 else leaf(c) for c in steps]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_tensorboard_missing_names_the_extra(monkeypatch, tmp_path):

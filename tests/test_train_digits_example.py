@@ -25,6 +25,8 @@ import vjpkit as vk
 from tests.helpers import load_example, tree_allclose
 from vjpkit.train._data import ArrayBatches
 
+pytest.importorskip("sklearn", reason='the digits examples need scikit-learn: pip install -e ".[examples]"')
+
 FIRST, TOTAL = 6, 10  # the first run stops at FIRST; the resumed one goes on to TOTAL
 BATCH, LR, SEED = 32, 0.01, 3
 

@@ -109,15 +109,8 @@ class _Call:
 
 
 def _path_name(path: Sequence[Any]) -> str:
-    parts = []
-    for p in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(p, attr):
-                parts.append(str(getattr(p, attr)))
-                break
-        else:
-            parts.append(str(p))
-    return "/".join(parts)
+    """``fc1/weight``: dict keys, attribute names and indices joined by ``/``."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_Call]:

@@ -129,16 +129,13 @@ def _leaves(value: Any) -> list[tuple[str, Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_reduction_dict)
     out = []
     for path, leaf in flat:
-        label = "/".join(_key_name(k) for k in path)
-        out.append((label, leaf))
+        out.append((_path(path), leaf))
     return out
 
 
-def _key_name(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)  # pragma: no cover
+def _path(path: Any) -> str:
+    """``weight``, ``0/bias``: dict keys, attribute names and indices joined by ``/``."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def _is_reduction_dict(x: Any) -> bool:
@@ -706,7 +703,7 @@ def _shapes_text(value: Any) -> list[str]:
     if _is_shape_leaf(value):
         return [_shape_str(value)]
     flat = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_shape_leaf)[0]
-    return [f"{'/'.join(_key_name(k) for k in path)}  {_shape_str(leaf)}" for path, leaf in flat]
+    return [f"{_path(path)}  {_shape_str(leaf)}" for path, leaf in flat]
 
 
 def _is_none(value: Any) -> bool:

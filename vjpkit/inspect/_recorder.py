@@ -39,7 +39,7 @@ import numpy as np
 from .._capture import FIELDS, REDUCTIONS, CaptureSpec, histogram
 from .._errors import ConfigError
 from .._host import on_host
-from ._explain import path_str, plain_table, rich_console
+from ._explain import plain_table, rich_console
 
 REDUCTION_NAMES = frozenset([*REDUCTIONS, "histogram"])
 
@@ -110,7 +110,48 @@ def _record_fields(rec: Any) -> Iterator[tuple[str, Any]]:
         yield "value", rec
 
 
-def _leaves(tree: Any, single: str) -> Iterator[tuple[str, str, Any]]:
+def _path(path: Any) -> str:
+    """A series' tree path: ``weight``, ``0/bias``, ``""`` for the root."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def _parent_keysets(captured: dict) -> list[frozenset | None]:
+    """For every leaf of a step's records, the key set of the dict holding it (None when the
+    leaf is not in a dict: a bare array or scalar field)."""
+    sets = []
+    for rec in captured.values():
+        for _, value in _record_fields(rec):
+            if value is None:
+                continue
+            groups: dict[tuple, list] = {}
+            for path, _ in jax.tree_util.tree_flatten_with_path(value)[0]:
+                groups.setdefault(tuple(path[:-1]), []).append(path[-1] if path else None)
+            for last in groups.values():
+                dict_keys = all(isinstance(k, jax.tree_util.DictKey) for k in last)
+                keys = frozenset(str(k.key) for k in last) if dict_keys else None
+                sets += [keys] * len(last)
+    return sets
+
+
+def _reduction_keys(captured: dict, names: frozenset | None) -> frozenset | None:
+    """The key set of the dicts that hold reductions in this step's records, or None.
+
+    With the spec's reductions known (``names``, two or more), those are the reduction dicts.
+    Without a spec, a dict is taken for reductions only if every leaf of the step sits in a dict
+    with one same key set of reduction names: a multi-reduction capture replaces every leaf by
+    such a dict, while a layer whose parameters are named ``mean``/``var``/``min``/``max``
+    sits beside others named otherwise (or beside bare reduced arrays). When every captured
+    leaf has such a parent, it is ambiguous: pass ``spec=`` to be exact.
+    """
+    if names is not None:
+        return names if len(names) > 1 else None
+    sets = _parent_keysets(captured)
+    if sets and all(k is not None for k in sets) and len(set(sets)) == 1 and sets[0] <= REDUCTION_NAMES:
+        return sets[0]
+    return None
+
+
+def _leaves(tree: Any, single: str, reductions: frozenset | None) -> Iterator[tuple[str, str, Any]]:
     """``(path, reduction, leaf)``: the keys of a dict of reductions become the reduction."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     parents: dict[tuple, list] = {}
@@ -118,13 +159,16 @@ def _leaves(tree: Any, single: str) -> Iterator[tuple[str, str, Any]]:
         parents.setdefault(tuple(path[:-1]), []).append(path[-1] if path else None)
     for path, leaf in flat:
         siblings = parents[tuple(path[:-1])]
-        is_reduction = bool(path) and all(
-            isinstance(k, jax.tree_util.DictKey) and k.key in REDUCTION_NAMES for k in siblings
+        is_reduction = (
+            reductions is not None
+            and bool(path)
+            and all(isinstance(k, jax.tree_util.DictKey) for k in siblings)
+            and frozenset(str(k.key) for k in siblings) == reductions
         )
         if is_reduction:
-            yield path_str(path[:-1]), str(path[-1].key), leaf
+            yield _path(path[:-1]), str(path[-1].key), leaf
         else:
-            yield path_str(path), single, leaf
+            yield _path(path), single, leaf
 
 
 def _fmt(x: Any) -> str:
@@ -163,9 +207,16 @@ class Recorder:
             raise ConfigError(f"Recorder: spec must be a vk.capture(...) spec, got {type(spec).__name__}.")
         self.last = last
         self._single = "value"
-        if spec is not None and spec.reduce is not None and len(spec.reduce) == 1:
-            r = spec.reduce[0]
-            self._single = r.name if isinstance(r, histogram) else r
+        self._names: frozenset | None = None  # the spec's reduction names, when known
+        self._hist_range: tuple[float, float] | None = None
+        if spec is not None:
+            reduce = spec.reduce or ()
+            names = [r.name if isinstance(r, histogram) else r for r in reduce]
+            self._names = frozenset(names)
+            if len(names) == 1:
+                self._single = names[0]
+            ranges = [r.range for r in reduce if isinstance(r, histogram)]
+            self._hist_range = tuple(map(float, ranges[0])) if ranges else None
         self._stats: dict[Series, _Stats] = {}
         self._lock = threading.Lock()
         self._host_step = 0
@@ -201,12 +252,13 @@ class Recorder:
             )
         step = int(step)
         host = jax.device_get(captured)
+        reductions = _reduction_keys(host, self._names)
         with self._lock:
             for key, rec in host.items():
                 for field, value in _record_fields(rec):
                     if value is None:
                         continue
-                    for path, reduction, leaf in _leaves(value, self._single):
+                    for path, reduction, leaf in _leaves(value, self._single, reductions):
                         self._add(Series(str(key), field, path, reduction), step, np.asarray(leaf))
             self.steps_seen += 1
             self.first_step = step if self.first_step is None else min(self.first_step, step)
@@ -217,9 +269,48 @@ class Recorder:
         if stats is None:
             stats = self._stats[series] = _Stats(deque(maxlen=self.last))
         stats.add(step, value)
-        if self._writer is not None and value.ndim == 0:
-            tag = "/".join(p for p in (series.key.replace("#", ".call"), *series[1:]) if p)
+        if self._writer is None:
+            return
+        tag = "/".join(p for p in (series.key.replace("#", ".call"), *series[1:]) if p)
+        if value.ndim == 0:
             self._writer.add_scalar(tag, float(value), step)
+        elif series.reduction == "histogram" and value.ndim == 1:
+            self._write_histogram(tag, value, step)
+
+    def _write_histogram(self, tag: str, counts: np.ndarray, step: int) -> None:
+        """A ``vk.histogram`` capture as a TensorBoard histogram: its bins over the spec's range
+        (over bin indices 0..bins when the recorder has no spec to tell the range)."""
+        bins = counts.shape[0]
+        lo, hi = self._hist_range if self._hist_range is not None else (0.0, float(bins))
+        edges = np.linspace(lo, hi, bins + 1)
+        centers = (edges[:-1] + edges[1:]) / 2
+        counts = np.asarray(counts, np.float64)
+        filled = np.nonzero(counts)[0]
+        if filled.size == 0:
+            return
+        self._writer.add_histogram_raw(
+            tag,
+            min=float(edges[filled[0]]),
+            max=float(edges[filled[-1] + 1]),
+            num=float(counts.sum()),
+            sum=float((centers * counts).sum()),
+            sum_squares=float((centers**2 * counts).sum()),
+            bucket_limits=edges[1:].tolist(),
+            bucket_counts=counts.tolist(),
+            global_step=step,
+        )
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Writes scalars such as the training loss and eval metrics to the TensorBoard events.
+
+        ``vk.train.fit(..., on_metrics=recorder.log_metrics)`` writes ``train/loss`` every step
+        and ``eval/<name>`` at each evaluation. Without ``tensorboard_dir`` nothing is written.
+        """
+        if self._writer is None:
+            return
+        with self._lock:
+            for tag, value in metrics.items():
+                self._writer.add_scalar(str(tag), float(value), int(step))
 
     def update_host(self, captured: dict[str, Any]) -> None:
         """Adds one delivery, numbering steps 0, 1, 2, ... itself.

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from .._capture import histogram as _histogram
 from .._errors import ConfigError
@@ -67,7 +68,8 @@ def _f32(x: jax.Array) -> jax.Array:
 
 
 def _sq(tree: Any) -> jax.Array:
-    return sum((jnp.sum(jnp.square(_f32(a))) for a in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
+    """The squared L2 norm of a tree, in float32 (optax's tree norm)."""
+    return optax.tree.norm(jax.tree.map(_f32, tree), squared=True)
 
 
 def gradient_stats(
@@ -147,7 +149,7 @@ def gradient_stats(
         stats = {}
         for owner, idx in groups.items():
             keyed = {local[i]: _f32(grads[i]) for i in idx}
-            fields: dict[str, Any] = {"grad_norm": jnp.sqrt(_sq(keyed))}
+            fields: dict[str, Any] = {"grad_norm": optax.tree.norm(keyed)}
             if variance:
                 mean = {k: g * jnp.float32(mean_scale) for k, g in keyed.items()}
                 var = {

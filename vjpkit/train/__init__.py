@@ -1,5 +1,7 @@
 """vjpkit.train: the jit-compiled training loop on optax, with hooks, capture and hook state."""
 
+from ._checkpoint import CheckpointDamagedError as CheckpointDamagedError
+from ._checkpoint import restore as restore
 from ._fit import fit as fit
 from ._sharding import batch_sharding as batch_sharding
 from ._sharding import check_mesh as check_mesh
@@ -11,6 +13,7 @@ from ._state import TrainState as TrainState
 from ._step import make_step as make_step
 
 __all__ = [
+    "CheckpointDamagedError",
     "TrainState",
     "batch_sharding",
     "check_mesh",
@@ -19,5 +22,6 @@ __all__ = [
     "make_step",
     "replicate",
     "replicated",
+    "restore",
     "shard_batch",
 ]

@@ -11,6 +11,7 @@ leading size, and that the batch size fits the data.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -81,6 +82,10 @@ class ArrayBatches:
         rows = self._permutation(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
         return jax.tree.map(lambda a: a[rows], self.data)
 
+    def first(self) -> Any:
+        """The first batch of the run."""
+        return self.batch(0)
+
     def iterate(self, start: int) -> Iterator[Any]:
         step = start
         while True:
@@ -89,16 +94,35 @@ class ArrayBatches:
 
 
 class IterableBatches:
-    """Batches from any iterable; resuming at step ``s`` skips the first ``s`` batches."""
+    """Batches from any iterable; resuming at step ``s`` skips the first ``s`` batches.
+
+    The iterable is iterated once: ``first()`` reads its first batch (to check it and trace
+    the step) and ``iterate`` yields that same batch, then the rest, so a one-shot iterator
+    or generator loses nothing.
+    """
 
     def __init__(self, data: Iterable):
         self.data = data
+        self._it: Iterator[Any] | None = None
+        self._first: list = []
+
+    def first(self) -> Any:
+        """The first batch (``None`` if there is none), read once and kept for ``iterate``."""
+        if self._it is None:
+            self._it = iter(self.data)
+            self._first = [next(self._it, None)]
+        return self._first[0] if self._first else None  # None too once iterate took it over
 
     def iterate(self, start: int) -> Iterator[Any]:
         """Batches from step ``start`` on; a batch whose size differs from the first is skipped."""
+        first = self.first()
+        if first is None:
+            return
+        # Hand the first batch over once, keeping no reference: the chain drops it when it moves on.
+        source = itertools.chain([self._first.pop()], self._it)
         size = None
         step = 0
-        for batch in self.data:
+        for batch in source:
             n = check_batch(batch)
             size = n if size is None else size
             if n == size and step < start:  # already consumed by the run being resumed

@@ -10,7 +10,6 @@ ends bit-identical to an uninterrupted one.
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
 import warnings
@@ -25,7 +24,7 @@ from .._errors import ConfigError, NonFiniteError
 from ..inspect._nonfinite import first_nonfinite
 from ._data import ArrayBatches, check_batch, make_batches
 from ._state import TrainState
-from ._step import check_optimizer, init_hook_state, make_step
+from ._step import _wants_key, build_step, check_optimizer, init_hook_state
 
 
 def _positive(name: str, value: Any, allow_none: bool = True) -> None:
@@ -54,8 +53,10 @@ def fit(
     eval_fn: Callable | None = None,
     eval_every: int | None = None,
     on_records: Callable | None = None,
+    on_metrics: Callable | None = None,
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
+    keep: int = 2,
     mesh: Any = None,
     seed: int = 0,
     progress: bool | None = None,
@@ -67,11 +68,13 @@ def fit(
     Args:
         loss_fn: ``loss_fn(params, batch[, key=k]) -> scalar`` (``key`` is a fresh PRNG key
             each step when the loss declares it, e.g. for dropout).
-        optimizer: an optax ``GradientTransformation``.
+        optimizer: an optax ``GradientTransformation`` or ``optax.MultiSteps``; one that reads
+            the loss (``optax.reduce_on_plateau``, ``optax.lbfgs``) gets ``value=``, ``grad=``
+            and ``value_fn=`` as in an optax loop (see ``make_step``).
         params: the initial parameters.
         data: arrays (an array, or a tuple or dict of arrays sharing the leading axis; needs
             ``batch_size``, shuffled each epoch, the incomplete last batch dropped), or any
-            iterable of batches (a list, a generator).
+            iterable of batches (a list, a generator), iterated once.
         batch_size: examples per step, for array data.
         steps: number of steps; or ``epochs`` for array data. An iterable runs until it ends.
         hooks: layer hooks (see ``vk.grad``); stateful ones are threaded in ``state.hook_state``.
@@ -80,16 +83,25 @@ def fit(
         eval_fn: ``eval_fn(params) -> dict of numbers``, called every ``eval_every`` steps.
         eval_every: steps between evaluations (and at the end).
         on_records: ``on_records(step, captured)`` with numpy records, for every step.
+        on_metrics: ``on_metrics(step, metrics)`` with a flat dict of floats: ``{"train/loss":
+            ...}`` for every step and ``{"eval/<name>": ...}`` for every evaluation; for example
+            ``vk.inspect.Recorder(tensorboard_dir=...).log_metrics``.
         checkpoint_dir: save there every ``checkpoint_every`` steps and at the end, and resume
-            from the newest complete checkpoint found there.
+            from the newest intact checkpoint found there. A damaged newer checkpoint (an
+            array whose checksum differs, a truncated or missing file) is skipped with a
+            ``RuntimeWarning`` naming its step and what is wrong, and moved aside to
+            ``checkpoint_dir/damaged/<step>``.
         checkpoint_every: steps between checkpoints.
+        keep: how many of the newest checkpoints to keep (at least 1; 2 or more leaves an
+            older one to resume from if the newest is damaged).
         mesh: a ``jax.sharding.Mesh`` with a ``"data"`` axis (see ``data_mesh``): batches are
             sharded over it and the state is replicated.
         seed: seeds the shuffling and ``state.rng``.
-        progress: show a tqdm bar (default: when stderr is a terminal).
+        progress: show a tqdm bar with the loss, the last evaluation and tqdm's step rate,
+            refreshed at least every second (default: when stderr is a terminal).
         nan_policy: ``"stop"`` raises ``vjpkit.NonFiniteError`` naming the step and the
-            first layer with a non-finite cotangent; ``"continue"`` warns and goes on;
-            ``"off"`` does not check.
+            first layer with a non-finite cotangent; ``"continue"`` warns for every non-finite
+            step and goes on; ``"off"`` does not check.
         log_every: steps between fetches of the metrics (and progress updates).
 
     Returns:
@@ -99,7 +111,7 @@ def fit(
     Examples:
         >>> state, history = vk.train.fit(loss_fn, optax.adam(1e-3), params, (x, y), batch_size=64, epochs=3)
     """
-    check_optimizer(optimizer)
+    optimizer = check_optimizer(optimizer)
     for name, value in (
         ("steps", steps),
         ("epochs", epochs),
@@ -109,6 +121,7 @@ def fit(
         _positive(name, value)
     _positive("scan_steps", scan_steps, allow_none=False)
     _positive("log_every", log_every, allow_none=False)
+    _positive("keep", keep, allow_none=False)
     if on_records is not None and capture is None:
         raise ConfigError("fit: on_records= receives captured records; pass capture= too.")
     if eval_every is not None and eval_fn is None:
@@ -127,28 +140,94 @@ def fit(
     if steps is None and isinstance(batches, ArrayBatches):
         raise ConfigError("fit: with array data, pass steps= or epochs=.")
 
-    first = next(batches.iterate(0), None)
+    first = batches.first()
     if first is None:
         raise ConfigError("fit: the data yielded no batch.")
     size = check_batch(first)
     if mesh is not None:
-        from ._sharding import check_mesh, replicate, shard_batch
+        from ._sharding import check_mesh
 
         check_mesh(mesh, size)
     hook_state = init_hook_state(loss_fn, hooks, capture, params, first)
     state = TrainState.create(params, optimizer, hook_state=hook_state, seed=seed)
-    step_fn = make_step(loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy, jit=False)
+    step_fn = build_step(
+        loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy, report_finite=True
+    )
     jax.eval_shape(step_fn, state, first)  # every trace-time check, before any compile
+    del first  # an iterable's first batch is handed to the loop; keep no extra reference
 
     checkpointer = None
-    if checkpoint_dir is not None:
-        from ._checkpoint import Checkpointer
+    bar = None
+    try:
+        if checkpoint_dir is not None:
+            from ._checkpoint import Checkpointer
 
-        checkpointer = Checkpointer(checkpoint_dir)
-        if checkpointer.latest_step() is not None:
-            state, _ = checkpointer.restore(state)
-    start = int(state.step)
+            checkpointer = Checkpointer(checkpoint_dir, keep=keep)
+            found = checkpointer.restore_newest_intact(state)
+            if found is not None:
+                state = found[0]
+        start = int(state.step)
+        if progress is None:
+            progress = sys.stderr.isatty()
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, mininterval=0.2)
+        state, history = _loop(
+            state,
+            start,
+            batches,
+            step_fn,
+            loss_fn,
+            steps=steps,
+            scan_steps=scan_steps,
+            eval_fn=eval_fn,
+            eval_every=eval_every,
+            on_records=on_records,
+            on_metrics=on_metrics,
+            checkpointer=checkpointer,
+            checkpoint_every=checkpoint_every,
+            mesh=mesh,
+            seed=seed,
+            bar=bar,
+            nan_policy=nan_policy,
+            log_every=log_every,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+        if checkpointer is not None:
+            checkpointer.close()
+    return state, history
+
+
+_REFRESH_SECONDS = 1.0  # the progress bar's loss and count are fetched at least this often
+
+
+def _loop(
+    state: TrainState,
+    start: int,
+    batches: Any,
+    step_fn: Callable,
+    loss_fn: Callable,
+    *,
+    steps: int | None,
+    scan_steps: int,
+    eval_fn: Callable | None,
+    eval_every: int | None,
+    on_records: Callable | None,
+    on_metrics: Callable | None,
+    checkpointer: Any,
+    checkpoint_every: int | None,
+    mesh: Any,
+    seed: int,
+    bar: Any,
+    nan_policy: str,
+    log_every: int,
+) -> tuple[TrainState, dict]:
     if mesh is not None:
+        from ._sharding import replicate, shard_batch
+
         state = replicate(state, mesh)
         put = lambda b, dim=0: shard_batch(b, mesh, batch_dim=dim)
     else:
@@ -157,65 +236,94 @@ def fit(
     single = jax.jit(step_fn, donate_argnums=0)
     multi = jax.jit(lambda s, bs: jax.lax.scan(step_fn, s, bs), donate_argnums=0) if scan_steps > 1 else None
     history: dict[str, list] = {"step": [], "loss": [], "eval": [], "nonfinite": []}
-    recent: collections.deque = collections.deque(maxlen=log_every * scan_steps + scan_steps)
-    if progress is None:
-        progress = sys.stderr.isatty()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    # The batches of dispatched steps are kept only to name the layer of a non-finite step
+    # ("stop" on an iterable: array batches are recomputed from the step). A step's batch is
+    # dropped as soon as its finite flag is known to be True, so what stays alive is what the
+    # runtime holds anyway for steps still in flight, not the last log_every batches.
+    keep_batches = nan_policy == "stop" and not isinstance(batches, ArrayBatches)
+    pending: list[list] = []  # [t0, k, metrics, stacked, batches or None]
+    last_eval: dict = {}
+    stop: list[int] = []  # the first non-finite step under "stop", once seen
+    refreshed = [time.perf_counter()]
 
-        bar = tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True)
-    pending: list = []
-    reported: set[int] = set()
-    clock = [time.perf_counter(), start]
+    def prune() -> None:
+        for entry in pending:
+            if entry[4] is None:
+                continue
+            finite = entry[2]["finite"]
+            if not finite.is_ready():
+                return
+            if bool(np.all(np.asarray(finite))):
+                entry[4] = None
+            else:
+                return  # keep this one: it holds the first non-finite step's batch
 
     def flush() -> None:
         if not pending:
             return
-        fetched = jax.device_get([m for _, _, m, _ in pending])
-        for (t0, k, _, stacked), metrics in zip(pending, fetched):
+        fetched = jax.device_get([m for _, _, m, _, _ in pending])
+        bad_batch = None
+        for (t0, k, _, stacked, kept), metrics in zip(pending, fetched):
             losses = np.atleast_1d(metrics["loss"])
+            finite = np.atleast_1d(metrics["finite"])
             for i in range(k):
-                history["step"].append(t0 + i)
+                if stop:
+                    break
+                step = t0 + i
+                history["step"].append(step)
                 history["loss"].append(float(losses[i]))
+                if on_metrics is not None:
+                    on_metrics(step, {"train/loss": float(losses[i])})
                 if on_records is not None:
                     captured = metrics["captured"]
-                    on_records(t0 + i, jax.tree.map(lambda a, i=i: a[i], captured) if stacked else captured)
+                    on_records(step, jax.tree.map(lambda a, i=i: a[i], captured) if stacked else captured)
+                if nan_policy != "off" and not finite[i]:
+                    history["nonfinite"].append(step)
+                    if nan_policy == "stop":
+                        stop.append(step)
+                        bad_batch = kept[i] if kept is not None else None
+                    else:
+                        _warn_nonfinite(step)
         pending.clear()
-        if bar is not None:
-            now = time.perf_counter()
-            rate = (t - clock[1]) / max(now - clock[0], 1e-9)
-            clock[:] = [now, t]
-            bar.update(t - bar.n)
-            bar.set_postfix(loss=f"{history['loss'][-1]:.4g}", steps_per_s=f"{rate:.1f}")
-        if nan_policy != "off":
-            bad = int(state.nonfinite_step)
-            if bad >= 0 and bad not in reported:
-                reported.add(bad)
-                _nonfinite(bad)
+        show()
+        refreshed[0] = time.perf_counter()
+        if stop:
+            _raise_nonfinite(stop[0], bad_batch)
 
-    def _nonfinite(bad: int) -> None:
-        history["nonfinite"].append(bad)
-        batch = batches.batch(bad) if isinstance(batches, ArrayBatches) else dict(recent).get(bad)
+    def show() -> None:
+        if bar is not None:
+            bar.update(t - bar.n)
+            loss = {"loss": f"{history['loss'][-1]:.4g}"} if history["loss"] else {}
+            bar.set_postfix({**loss, **last_eval}, refresh=True)
+
+    def _warn_nonfinite(bad: int) -> None:
+        warnings.warn(
+            f"the loss or the gradients at step {bad} are not finite (NaN or Inf). Training continues "
+            "(nan_policy='continue'); history['nonfinite'] lists every such step.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _raise_nonfinite(bad: int, batch: Any) -> None:
+        if isinstance(batches, ArrayBatches):
+            batch = batches.batch(bad)
         where = None
-        if nan_policy == "stop" and batch is not None:
-            where = first_nonfinite(loss_fn, jax.device_get(state.params), batch)
+        if batch is not None:
+            # state is the state before step `bad` ("stop" leaves it unchanged from there on), so
+            # its rng gives the key that step's loss received.
+            kwargs = {"key": jax.random.split(state.rng)[1]} if _wants_key(loss_fn) else {}
+            where = first_nonfinite(loss_fn, jax.device_get(state.params), batch, **kwargs)
         layer, field = where if where else (None, None)
         named = (
             f"; the first layer in backward order with a non-finite cotangent is {layer!r} ({field})"
             if layer
             else ""
         )
-        message = f"the loss or the gradients at step {bad} are not finite (NaN or Inf){named}."
-        if nan_policy == "continue":
-            warnings.warn(
-                message + " Training continues (nan_policy='continue').", RuntimeWarning, stacklevel=3
-            )
-            return
         err = NonFiniteError(
-            message + " Training stopped (nan_policy='stop'); err.state is the state before that step. "
-            "Look at that layer's inputs (a log or division of a bad value?), lower the learning "
-            "rate, or clip gradients."
+            f"the loss or the gradients at step {bad} are not finite (NaN or Inf){named}. Training "
+            "stopped (nan_policy='stop'); err.state is the state before that step. Look at that "
+            "layer's inputs (a log or division of a bad value?), lower the learning rate, or clip "
+            "gradients."
         )
         err.step, err.layer, err.field, err.state, err.history = bad, layer, field, state, history
         raise err
@@ -225,44 +333,54 @@ def fit(
     next_eval = (start // eval_every + 1) * eval_every if eval_every else None
     next_ckpt = (start // checkpoint_every + 1) * checkpoint_every if checkpoint_every else None
     last_log = start
-    try:
-        while steps is None or t < steps:
-            k = scan_steps if (multi is not None and (steps is None or steps - t >= scan_steps)) else 1
-            group = []
-            for _ in range(k):
-                batch = next(it, None)
-                if batch is None:
-                    break
-                recent.append((t + len(group), batch))
-                group.append(batch)
-            if not group:
-                break
-            if len(group) == k and k > 1:
-                state, metrics = multi(state, put(_stack(group), 1))
-                pending.append((t, k, metrics, True))
-                t += k
-            else:
-                for batch in group:
-                    state, metrics = single(state, put(batch))
-                    pending.append((t, 1, metrics, False))
-                    t += 1
-            if t - last_log >= log_every:
-                flush()
-                last_log = t
-            if next_eval is not None and t >= next_eval:
-                flush()
-                history["eval"].append({"step": t, **eval_fn(state.params)})
-                next_eval += eval_every
-            if next_ckpt is not None and t >= next_ckpt:
-                flush()
-                checkpointer.save(t, state, {"step": t, "seed": seed})
-                next_ckpt += checkpoint_every
+
+    def evaluate() -> None:
         flush()
-        if eval_fn is not None and (not history["eval"] or history["eval"][-1]["step"] != t):
-            history["eval"].append({"step": t, **eval_fn(state.params)})
-        if checkpointer is not None and t > start:
+        result = eval_fn(state.params)
+        history["eval"].append({"step": t, **result})
+        if on_metrics is not None:
+            on_metrics(t, {f"eval/{name}": float(v) for name, v in result.items()})
+        last_eval.clear()
+        last_eval.update({f"eval_{name}": f"{float(v):.4g}" for name, v in result.items()})
+        show()
+
+    while steps is None or t < steps:
+        k = scan_steps if (multi is not None and (steps is None or steps - t >= scan_steps)) else 1
+        group = []
+        for _ in range(k):
+            batch = next(it, None)
+            if batch is None:
+                break
+            group.append(batch)
+        if not group:
+            break
+        if len(group) == k and k > 1:
+            state, metrics = multi(state, put(_stack(group), 1))
+            pending.append([t, k, metrics, True, group if keep_batches else None])
+            t += k
+        else:
+            for batch in group:
+                state, metrics = single(state, put(batch))
+                pending.append([t, 1, metrics, False, [batch] if keep_batches else None])
+                t += 1
+        del group, batch
+        if keep_batches:
+            prune()
+        if t - last_log >= log_every or (
+            bar is not None and time.perf_counter() - refreshed[0] >= _REFRESH_SECONDS
+        ):
+            flush()
+            last_log = t
+        if next_eval is not None and t >= next_eval:
+            evaluate()
+            next_eval += eval_every
+        if next_ckpt is not None and t >= next_ckpt:
+            flush()
             checkpointer.save(t, state, {"step": t, "seed": seed})
-    finally:
-        if bar is not None:
-            bar.close()
+            next_ckpt += checkpoint_every
+    flush()
+    if eval_fn is not None and (not history["eval"] or history["eval"][-1]["step"] != t):
+        evaluate()
+    if checkpointer is not None and t > start:
+        checkpointer.save(t, state, {"step": t, "seed": seed})
     return state, history

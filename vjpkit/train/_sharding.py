@@ -49,7 +49,8 @@ def data_mesh(devices: Sequence[Any] | None = None, axis: str = "data") -> Mesh:
     """A 1-D mesh over ``devices`` (default: all of ``jax.devices()``) with one axis ``axis``.
 
     Args:
-        devices: the devices to split the batch over, in order. ``None`` means ``jax.devices()``:
+        devices: the devices to split the batch over (``jax.make_mesh`` orders them for the
+            hardware's topology). ``None`` means ``jax.devices()``:
             every device of the default backend, on all hosts after ``jax.distributed.initialize``.
         axis: the name of the mesh axis the batch is split over.
 
@@ -68,7 +69,9 @@ def data_mesh(devices: Sequence[Any] | None = None, axis: str = "data") -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ConfigError("data_mesh: devices is empty; pass None to use every device in jax.devices().")
-    return Mesh(np.asarray(devices, dtype=object), (axis,))
+    # jax.make_mesh lays the devices out for the hardware's topology. Auto axis types keep the
+    # sharding-in-types rules out: the batch is sharded by device_put, as with a plain Mesh.
+    return jax.make_mesh((len(devices),), (axis,), (jax.sharding.AxisType.Auto,), devices=devices)
 
 
 def check_mesh(mesh: Mesh | AbstractMesh, batch_size: int, axis: str = "data") -> None:

@@ -44,10 +44,13 @@ class TrainState(NamedTuple):
     def create(cls, params: Any, optimizer: Any, *, hook_state: Any = None, seed: int = 0) -> TrainState:
         """A fresh state: copies of ``params`` and ``hook_state`` (the step donates the state, so the
         caller's arrays stay valid), ``optimizer.init(params)``, step 0, ``PRNGKey(seed)``."""
-        params = jax.tree.map(lambda a: jnp.array(a, copy=True), params)  # steps donate the state
+        copy = lambda tree: jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
+        params = copy(params)  # steps donate the state
         return cls(
             params=params,
-            opt_state=optimizer.init(params),
+            # copied too: an optimizer's init may put one array in two places (optax.lbfgs
+            # does), and a buffer cannot be donated twice
+            opt_state=copy(optimizer.init(params)),
             hook_state={}
             if hook_state is None
             else jax.tree.map(lambda a: jnp.array(a, copy=True), hook_state),

@@ -25,14 +25,21 @@ from ._state import TrainState
 NAN_POLICIES = ("stop", "continue", "off")
 
 
-def check_optimizer(optimizer: Any) -> None:
-    """Raises unless ``optimizer`` is an optax ``GradientTransformation``."""
+def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
+    """The optax ``GradientTransformation`` of ``optimizer``; raises for anything else.
+
+    ``optax.MultiSteps`` (gradient accumulation) is a class with ``init`` and ``update`` rather
+    than a ``GradientTransformation``; its ``gradient_transformation()`` is used.
+    """
+    if isinstance(optimizer, optax.MultiSteps):
+        return optimizer.gradient_transformation()
     if not isinstance(optimizer, optax.GradientTransformation):
         raise ConfigError(
-            f"the optimizer must be an optax.GradientTransformation (for example optax.sgd(0.1) or "
-            f"optax.adam(1e-3)), got {type(optimizer).__name__}. Pass the transformation itself, "
-            "not its init/update functions or an optimizer state."
+            f"the optimizer must be an optax.GradientTransformation (for example optax.sgd(0.1), "
+            f"optax.adam(1e-3), or optax.MultiSteps(...)), got {type(optimizer).__name__}. Pass the "
+            "transformation itself, not its init/update functions or an optimizer state."
         )
+    return optimizer
 
 
 def _wants_key(loss_fn: Callable) -> bool:
@@ -60,7 +67,10 @@ def make_step(
 
     Args:
         loss_fn: ``loss_fn(params, batch[, key=k]) -> scalar``.
-        optimizer: an optax ``GradientTransformation``.
+        optimizer: an optax ``GradientTransformation`` or ``optax.MultiSteps``. Transformations
+            that read the loss get it as in an optax loop: ``update(grads, opt_state, params,
+            value=loss, grad=grads, value_fn=...)`` (``optax.reduce_on_plateau``,
+            ``optax.lbfgs``), where ``value_fn(params)`` is the loss on this step's batch.
         hooks: layer hooks, as in ``vjpkit.grad``; stateful ones use ``state.hook_state``.
         capture: capture spec(s), as in ``vjpkit.grad``; records go to ``metrics["captured"]``.
         nan_policy: ``"stop"``: a step whose loss or gradients are not finite, and every later
@@ -74,10 +84,29 @@ def make_step(
         >>> step = vk.train.make_step(loss_fn, optax.sgd(0.1))
         >>> state, metrics = step(vk.train.TrainState.create(params, optax.sgd(0.1)), (x, y))
     """
-    check_optimizer(optimizer)
+    step = build_step(loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy)
+    return jax.jit(step, donate_argnums=0) if jit else step
+
+
+def build_step(
+    loss_fn: Callable,
+    optimizer: Any,
+    *,
+    hooks: dict | None = None,
+    capture: Any = None,
+    nan_policy: str = "stop",
+    report_finite: bool = False,
+) -> Callable:
+    """``make_step``'s traceable step; ``report_finite`` adds ``metrics["finite"]`` (this step's
+    loss and gradients were finite), which ``fit`` reads to record every non-finite step."""
+    optimizer = check_optimizer(optimizer)
     if nan_policy not in NAN_POLICIES:
         raise ConfigError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}.")
     wants_key = _wants_key(loss_fn)
+    # Transformations that read the loss (optax.reduce_on_plateau, optax.lbfgs and its line
+    # search) take it as update(..., value=, grad=, value_fn=); optax passes these extra
+    # arguments on to the members of a chain that use them, and the others ignore them.
+    extra_args = isinstance(optimizer, optax.GradientTransformationExtraArgs)
     value_and_grad = _autodiff.value_and_grad(loss_fn, hooks=hooks, capture=capture)
     captures = capture is not None
 
@@ -94,7 +123,13 @@ def make_step(
             (loss, grads), captured = out[0], out[1]
         else:
             (loss, grads), captured = (out[0] if state.hook_state else out), None
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        if extra_args:
+            value_fn = lambda p: loss_fn(p, batch, **kwargs)  # the plain loss: hooks change gradients only
+            updates, opt_state = optimizer.update(
+                grads, state.opt_state, state.params, value=loss, grad=grads, value_fn=value_fn
+            )
+        else:
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         new = TrainState(
             optax.apply_updates(state.params, updates),
             opt_state,
@@ -103,11 +138,11 @@ def make_step(
             rng,
             state.nonfinite_step,
         )
+        grad_leaves = jax.tree.leaves(grads)
+        finite = jnp.isfinite(loss) & jnp.all(
+            jnp.array([jnp.isfinite(g).all() for g in grad_leaves] or [True])
+        )
         if nan_policy != "off":
-            grad_leaves = jax.tree.leaves(grads)
-            finite = jnp.isfinite(loss) & jnp.all(
-                jnp.array([jnp.isfinite(g).all() for g in grad_leaves] or [True])
-            )
             first_bad = jnp.where((state.nonfinite_step < 0) & ~finite, state.step, state.nonfinite_step)
             new = new._replace(nonfinite_step=first_bad)
             if nan_policy == "stop":
@@ -116,14 +151,16 @@ def make_step(
         metrics = {"loss": loss}
         if captures:
             metrics["captured"] = captured
+        if report_finite:
+            metrics["finite"] = finite
         return new, metrics
 
-    return jax.jit(step, donate_argnums=0) if jit else step
+    return step
 
 
 def init_hook_state(loss_fn: Callable, hooks: Any, capture: Any, params: Any, batch: Any) -> dict:
     """The initial ``hook_state`` for ``make_step``'s hooks (``{}`` when none keeps state)."""
-    from .._autodiff import init_hook_state as _init
+    from .. import init_hook_state as _init  # the public name: the core behind it may move
 
     if hooks is None and capture is None:
         return {}
