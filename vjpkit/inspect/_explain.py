@@ -97,7 +97,12 @@ def path_str(path: Sequence[Any]) -> str:
 
 
 def plain_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table; a cell may be a string with newlines or a list of lines."""
+    """A plain-text table; a cell may be a string with newlines or a list of lines.
+
+    vjpkit's one table renderer for text: ``rich`` (the ``pretty`` extra) draws the tables on a
+    terminal (``rich_console``), but it is optional, and logs, files, notebooks' plain output
+    and the doc tests need text whatever is installed, so this small renderer stays.
+    """
 
     def lines(cell: Any) -> list[str]:
         if isinstance(cell, (list, tuple)):

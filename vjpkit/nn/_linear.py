@@ -1,7 +1,7 @@
 """Layers with parameters: ``dense``, ``conv1d``, ``conv2d``, ``embedding``, ``layer_norm``.
 
 Contract: each returns an ``Layer`` built with ``layer``, so
-every call is hookable. Parameter names and layouts are fixed by DESIGN.md: ``dense`` has
+every call is hookable. Parameter names and layouts are part of the API contract: ``dense`` has
 ``weight (in, out)`` and ``bias (out,)`` with ``y = x @ weight + bias``; ``conv2d`` is NHWC
 with ``weight (kh, kw, in, out)``; ``conv1d`` is NWC with ``weight (k, in, out)``.
 Parameters take ``dtype``, else the input's float dtype.
