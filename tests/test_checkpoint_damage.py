@@ -188,7 +188,8 @@ def test_orbax_alone_restores_params_by_name(setup, tmp_path):
     assert sorted(restored) == ["hook_state", "nonfinite_step", "opt_state", "params", "rng", "step"]
     tree_allclose(restored["params"], jax.device_get(state.params), rtol=0, atol=0)
     assert int(restored["step"]) == 10
-    assert sorted(restored["hook_state"]["fc1"]) == ["count", "mean", "var"]  # NamedTuple fields by name
+    # a vk.HookState: the layers' states under "layers", NamedTuple fields by name
+    assert sorted(restored["hook_state"]["layers"]["fc1"]) == ["count", "mean", "var"]
     # sgd with momentum's state is (ScaleByTraceState(trace), EmptyState()): items by index, fields by name
     trace = jax.device_get(state.opt_state[0].trace)
     tree_allclose(restored["opt_state"]["0"]["trace"], trace, rtol=0, atol=0)
