@@ -1,10 +1,11 @@
 """Reverse-mode transforms with named layer hooks: ``grad`` and ``value_and_grad``.
 
 Contract: without ``hooks`` these return exactly what ``jax.grad`` / ``jax.value_and_grad``
-return (only error messages are rewritten to be clearer). With ``hooks``, the returned
-function opens a ``Scope`` while JAX traces ``fun``, so every layer
-call whose path matches a glob is routed through the custom_vjp rule of ``_rule``. The hook
-configuration belongs to the returned function: ``jax.jit`` of it compiles the hooks in.
+return (only error messages are rewritten to be clearer). With ``hooks`` or ``capture``, the
+returned function traces ``fun`` once through the engine (``_engine.trace``), which routes every
+layer call whose path matches a glob through the custom_vjp rule of ``_rule``. The hook
+configuration (a ``_context.Config``) belongs to the returned function: ``jax.jit`` of it
+compiles the hooks in.
 """
 
 from __future__ import annotations

@@ -14,14 +14,15 @@ Contract:
   complex dtype) and has the right shape. A numpy value has the dtype JAX gives it (a
   ``float64`` array is ``float32`` unless ``jax_enable_x64`` is on), as in ``jax.vjp``. Every
   other leaf must have exactly the expected dtype: a committed dtype is never upcast or downcast.
-* With ``hooks``, the transform opens a ``Scope`` while JAX traces
-  ``fun``: ``vjp`` and ``jacobian(mode="rev")`` route matching layers through the custom_vjp
-  rule (hooks get ``Cotangents``; the returned pullback keeps them, also when it runs
-  later or under ``jit``), ``jvp``, ``linearize`` and ``jacobian(mode="fwd")`` through the
-  custom_jvp rule of ``_jvp_rule`` (hooks get ``Tangents``). ``hvp`` is forward over
-  reverse: ``jax.jvp`` of ``vk.grad(fun, hooks=hooks)``, so its hooks get ``Cotangents``.
-* Forward mode cannot differentiate a layer hooked for reverse mode: JAX's bare message for
-  that is replaced by a ``ConfigError`` saying what to use instead.
+* With ``hooks``: ``vjp`` and ``jacobian(mode="rev")`` trace ``fun`` through the engine
+  (``_engine``), which routes matching layers through the custom_vjp rule (hooks get
+  ``Cotangents``; the returned pullback keeps them, also when it runs later or under ``jit``);
+  ``jvp``, ``linearize`` and ``jacobian(mode="fwd")`` open a ``TangentScope`` and go through the
+  custom_jvp rule of ``_jvp_rule`` (hooks get ``Tangents``). ``hvp`` is forward over reverse:
+  ``jax.jvp`` of ``vk.grad(fun, hooks=hooks)``, so its hooks get ``Cotangents``.
+* Forward mode without hooks of its own works inside a hooked reverse-mode transform; forward
+  mode *with* hooks there is refused with a ``ConfigError`` (the outer hooks would not see
+  those layers).
 """
 
 from __future__ import annotations
