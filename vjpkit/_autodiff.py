@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _context, _engine, _slots
+from . import _context, _engine, _host, _slots
 from ._capture import as_specs
 from ._errors import ConfigError, SeedError
 
@@ -110,7 +110,8 @@ def _transform(
         config.check_matched(traced.plan.names)
         value, aux, pullback = _engine.linearize(traced, leaves, hook_state)
         g_leaves, captured, new_state = pullback([jnp.ones((), value.dtype)])
-        new_state = _slots.deliver(config, captured, new_state)
+        new_state, token = _slots.deliver(config, captured, new_state)
+        g_leaves, captured, new_state = _host.tie(token, (g_leaves, captured, new_state))
         grads = jax.tree.unflatten(tree, g_leaves)
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from . import _context, _hooks, _rule, _slots
+from . import _context, _hooks, _host, _rule, _slots
 from ._plan import Plan, Site
 from ._primitive import layer_p
 
@@ -275,8 +275,8 @@ def linearize(traced: Traced, leaves: Sequence, hook_state: Any, log: list | Non
 def _pull(plan: Plan, pullback: Callable, states0: dict, hook_state: Any, seed_leaves: Sequence) -> tuple:
     g_leaves, g_probes, g_states = pullback((list(seed_leaves), states0))
     captured = _slots.read_captured(plan, g_probes)
-    _slots.send_host(plan, g_probes)
-    return g_leaves, captured, _slots.new_state(plan, hook_state, g_states)
+    host, token = _slots.send_host(plan, g_probes, hook_state)
+    return _host.tie(token, (g_leaves, captured, _slots.new_state(plan, hook_state, g_states, host)))
 
 
 def forward_values(traced: Traced, leaves: Sequence) -> Callable[[Site], Any]:

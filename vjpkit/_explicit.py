@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _context, _engine, _hooks, _slots
+from . import _context, _engine, _hooks, _host, _slots
 from ._autodiff import grad as _vk_grad
 from ._capture import as_specs
 from ._check import check_like
@@ -357,7 +357,8 @@ def _hooked_vjp(f: Callable, primals: tuple, has_aux: bool, config: _context.Con
 
 def _pull(config: _context.Config, tree: Any, pull: Callable, seed: Any) -> Any:
     g_leaves, captured, _ = pull(jax.tree.leaves(seed))
-    _slots.deliver(config, captured, None)
+    _, token = _slots.deliver(config, captured, None)
+    g_leaves, captured = _host.tie(token, (g_leaves, captured))
     grads = tuple(jax.tree.unflatten(tree, g_leaves))
     return (grads, captured) if config.capture else grads
 

@@ -1,27 +1,37 @@
-"""Host delivery: run a Python function on records as a JAX callback.
+"""Host delivery: run Python functions on records, one effect-free transfer per backward pass.
 
 Contract: ``on_host(fn, every=1)`` serves two ways.
 
 * As a hook inside ``vk.grad`` / ``vk.value_and_grad`` / ``vk.vjp``, it is *deferred*: the
-  record it sees leaves the backward pass with the others, and ``send_records`` makes ONE
-  ordered ``jax.debug.callback`` per backward pass for all hooked calls, however many. On the
-  host ``fn(rec)`` then runs with numpy arrays, in backward order, once per layer call per
-  step (per iteration under ``lax.scan``, per example under ``vmap`` of the transform).
-  ``every=N`` delivers the 1st, (N+1)th, ... record of each call key; that count is kept on
-  the host, so every step still pays the transfer. Elsewhere (``vk.jvp`` tangent hooks, inside
-  ``vk.hook_chain``) each call emits its own callback.
-* As ``vk.capture(..., host=on_host(fn, every=N))``, ``fn(captured)`` receives the whole
-  step's captured dict in one transfer; ``every=N`` is then gated inside the graph by a
-  step counter in the hook state, so skipped steps transfer nothing.
+  record it sees leaves the backward pass with the others, and ``send_records`` makes ONE host
+  transfer per backward pass for all hooked calls, however many. On the host ``fn(rec)`` then
+  runs with numpy arrays, in backward order, once per layer call (per iteration under
+  ``lax.scan``, per example under ``vmap`` of the transform).
+* As ``vk.capture(..., host=on_host(fn, every=N))``, ``fn(captured)`` receives the whole step's
+  captured dict in one transfer.
 
-An exception in ``fn`` is re-raised as ``HostHookError`` naming the layer(s); under
-``jit`` JAX surfaces it when the step's result is awaited.
+Elsewhere (``vk.jvp`` tangent hooks, inside ``vk.hook_chain``) each call emits its own ordered
+``jax.debug.callback``.
+
+``every=N`` hands ``fn`` the records of the 1st, (N+1)th, ... backward pass. When the function
+threads ``hook_state=`` (``vk.init_hook_state``; ``fit`` does), the count lives in the hook
+state and the decision is made inside the graph: a skipped step transfers nothing. Without
+``hook_state`` the count is kept on the host, and every step pays the transfer.
+
+Transfers are ``jax.pure_callback`` calls (no JAX effect, so a jitted step keeps JAX's fast
+dispatch path) chained to each other and tied to every array the transform returns: a step's
+host functions have run, in order, once its outputs are ready (``jax.block_until_ready``), and
+before any later step that uses them. They run even when only part of the output is used.
+An exception in ``fn`` is re-raised as ``HostHookError`` naming the layer(s); under ``jit``
+JAX surfaces it when the step's result is awaited.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,28 +68,115 @@ def _pack(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
     return buffers, unpack
 
 
-def send_records(payload: list, order: list) -> None:
-    """One ordered callback that hands each ``vk.on_host`` hook its records, in backward order.
+_TOKEN = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+_gates = threading.local()
+
+
+@contextlib.contextmanager
+def gate(live: jax.Array):
+    """Transfers made inside run only where ``live`` (a traced bool) is true.
+
+    ``make_step`` uses it under ``nan_policy="stop"``: the steps after a non-finite one leave
+    the state unchanged, and their host functions do not run.
+    """
+    stack = _gates.__dict__.setdefault("stack", [])
+    stack.append(live)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def transfer(fn: Callable[[Any], None], tree: Any, after: jax.Array | None = None) -> jax.Array:
+    """Calls ``fn(tree with numpy arrays)`` on the host, once; returns a float32 zero token.
+
+    One ``jax.pure_callback`` with one operand per dtype (``_pack``). It carries no JAX effect,
+    so it runs only if the token is used: pass it to ``tie`` (or as ``after`` of the next
+    transfer, which then runs after this one). Under ``vmap`` it runs once per example.
+    """
+    stack = _gates.__dict__.get("stack")
+    if stack:
+        live = stack.pop()  # the gated transfer below is made outside the gate
+        try:
+            skip = lambda tree, after: jnp.zeros((), jnp.float32) if after is None else after
+            return jax.lax.cond(live, lambda tree, after: transfer(fn, tree, after), skip, tree, after)
+        finally:
+            stack.append(live)
+    buffers, unpack = _pack(jax.lax.stop_gradient(tree))
+    if not any(isinstance(b, jax.core.Tracer) for b in buffers):  # an eager call: run it here
+        fn(unpack(buffers))
+        return jnp.zeros((), jnp.float32)
+    operands = buffers if after is None else [*buffers, jax.lax.stop_gradient(after)]
+    n = len(buffers)
+
+    def callback(*bufs):
+        fn(unpack(bufs[:n]))
+        return np.zeros((), np.float32)
+
+    return jax.pure_callback(callback, _TOKEN, *operands, vmap_method="sequential")
+
+
+def tie(token: jax.Array | None, tree: Any) -> Any:
+    """``tree``, each array made to depend on ``token`` (a ``select`` XLA fuses into consumers).
+
+    The token is zero, so every value is unchanged; the dependency keeps the transfer alive
+    and orders it before anything computed from ``tree``.
+    """
+    if token is None:
+        return tree
+    ok = token == 0
+
+    def tied(x):
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.where(ok, x, jnp.asarray(jnp.nan, dtype))
+        if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
+            return jnp.where(ok, x, jnp.zeros((), dtype))
+        return x  # PRNG keys: not tied
+
+    return jax.tree.map(tied, tree)
+
+
+def send_records(payload: list, order: list, due: dict, after: jax.Array | None = None) -> jax.Array:
+    """One transfer that hands each ``vk.on_host`` hook its records, in backward order.
 
     Args:
         payload: per layer call, ``(records, ran)``: one record per host hook of the call (leaves
             stacked over its enclosing scans) and the per-iteration "the backward pass ran" flags.
         order: per group of calls that share their enclosing scans, ``(scan lengths, [hooks of
             each call])``, in backward order; ``payload`` lists the same calls in the same order.
-    """
-    buffers, unpack = _pack(payload)
+        due: ``{hook: traced bool}`` for hooks whose ``every`` is decided in the graph; the
+            others count backward passes on the host.
+        after: a token this transfer must follow.
 
-    def deliver(*bufs):
-        calls = iter(unpack(bufs))
+    Returns:
+        The transfer's token.
+    """
+    gated = list(due)
+
+    def deliver(tree):
+        calls, flags = iter(tree[0]), dict(zip(gated, tree[1]))
+        passes = {}
+        for hook in {h: None for _, per_call in order for hooks in per_call for h in hooks}:
+            passes[hook] = bool(flags[hook]) if hook in flags else hook._count_pass()
         for lengths, hooks_per_call in order:
             group = [(hooks, next(calls)) for hooks in hooks_per_call]
             for index in reversed(list(np.ndindex(*lengths))):  # last iteration first
                 for hooks, (records, ran) in group:
                     if ran[index] > 0:
                         for hook, rec in zip(hooks, records):
-                            hook._deliver(jax.tree.map(lambda a, i=index: a[i], rec))
+                            if passes[hook]:
+                                hook._deliver(jax.tree.map(lambda a, i=index: a[i], rec) if index else rec)
 
-    jax.debug.callback(deliver, *buffers, ordered=True)
+    flags = [jnp.asarray(due[h], jnp.float32) for h in gated]  # float32 like the records: one buffer
+    if gated and len(gated) == len({h for _, per_call in order for hooks in per_call for h in hooks}):
+        # every hook skips steps: nothing at all crosses to the host on a step where none is due
+        skip = lambda tree, after: jnp.zeros((), jnp.float32) if after is None else after
+        send = lambda tree, after: transfer(deliver, tree, after)
+        return jax.lax.cond(jnp.any(jnp.stack(flags) > 0), send, skip, (payload, flags), after)
+    return transfer(deliver, (payload, flags), after)
 
 
 class on_host:  # noqa: N801  (a hook factory, used like a function)
@@ -89,12 +186,13 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
         fn: called with a ``Cotangents`` (or ``Tangents``) of numpy arrays, or with a
             ``{call key: Cotangents}`` dict when used as ``vk.capture(..., host=...)``.
             Its return value is ignored: host functions observe, they cannot rewrite.
-        every: deliver one record in ``every`` per call key (``fc1``, ``fc1#1``, ...).
+        every: run on the records of one backward pass in ``every`` (the 1st, (N+1)th, ...).
+            With ``hook_state=`` threaded, skipped passes transfer nothing (module docstring).
 
     Examples:
         >>> seen = []
         >>> g = vk.grad(loss, hooks={"fc*": vk.on_host(lambda rec: seen.append(rec.key))})
-        >>> jax.jit(g)(params, x); jax.effects_barrier()
+        >>> jax.block_until_ready(jax.jit(g)(params, x))  # the hooks have run once it is ready
     """
 
     deferred = True  # inside vjpkit transforms, its records leave in the step's one transfer
@@ -106,26 +204,43 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
             raise ConfigError(f"vk.on_host: every must be a positive int, got {every!r}.")
         self.fn = fn
         self.every = every
-        self.counts: collections.Counter = collections.Counter()
+        self.passes = 0  # backward passes seen, when every > 1 is counted on the host
+        self.counts: collections.Counter = collections.Counter()  # per call key, for __call__
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, rec: Cotangents) -> None:
-        jax.debug.callback(self._deliver, rec, ordered=True)
+        def deliver(rec):  # here every call is its own callback: count per call key
+            seen = self.counts[rec.key]
+            self.counts[rec.key] = seen + 1
+            if seen % self.every == 0:
+                self._run(jax.tree.map(np.asarray, rec), f"layer {rec.name!r} (call {rec.call})")
 
-    def send(self, captured: dict) -> None:
-        """Delivers a step's captured records to ``fn`` in one ordered callback (see ``_pack``)."""
-        buffers, unpack = _pack(captured)
+        jax.debug.callback(deliver, rec, ordered=True)
 
-        def deliver(*bufs):
-            self._run(unpack(bufs), f"captured records of {sorted(captured)}")
+    def send(self, captured: dict, due: jax.Array | None = None, after: jax.Array | None = None):
+        """One transfer of a step's captured records to ``fn``; returns its token.
 
-        jax.debug.callback(deliver, *buffers, ordered=True)
+        ``due`` (a traced bool) skips the transfer inside the graph; without it, ``every`` is
+        counted on the host.
+        """
+        where = f"captured records of {sorted(captured)}"
+
+        def deliver(tree):
+            if due is not None or self._count_pass():
+                self._run(tree, where)
+
+        if due is None:
+            return transfer(deliver, captured, after)
+        skip = lambda c, after: jnp.zeros((), jnp.float32) if after is None else after
+        return jax.lax.cond(due, lambda c, after: transfer(deliver, c, after), skip, captured, after)
+
+    def _count_pass(self) -> bool:
+        """Counts one backward pass on the host; whether ``fn`` sees this one."""
+        self.passes += 1
+        return (self.passes - 1) % self.every == 0
 
     def _deliver(self, rec: Cotangents) -> None:
-        seen = self.counts[rec.key]
-        self.counts[rec.key] = seen + 1
-        if seen % self.every == 0:
-            self._run(jax.tree.map(np.asarray, rec), f"layer {rec.name!r} (call {rec.call})")
+        self._run(rec, f"layer {rec.name!r} (call {rec.call})")
 
     def _run(self, payload: Any, where: str) -> None:
         try:

@@ -14,7 +14,7 @@ host deliveries with ``every > 1``. It is a read-only mapping over ``layers``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -36,8 +36,9 @@ class HookState(Mapping):
 
     Attributes:
         layers: ``{call key: state}`` of the stateful hooks.
-        host: ``{capture spec index: {"count": float32}}``: step counters of capture host
-            deliveries with ``every > 1`` (kept apart from the layers' states).
+        host: ``{"capture[i]" or "on_host[j]": {"count": float32}}``: step counters of the
+            host deliveries with ``every > 1`` (capture spec ``i``; the ``j``-th distinct
+            ``vk.on_host`` hook), kept apart from the layers' states.
 
     Examples:
         >>> state = vk.init_hook_state(g, params, x, y)
@@ -118,20 +119,26 @@ def read_captured(plan: Any, probe_grads: dict) -> dict:
     return out
 
 
-def send_host(plan: Any, probe_grads: dict) -> None:
+def send_host(plan: Any, probe_grads: dict, hook_state: Any) -> tuple[dict, jax.Array | None]:
     """Sends every record the ``vk.on_host`` hooks saw in this backward pass in ONE transfer.
 
     On the host each hook gets its records in backward order: calls in reverse forward order,
     and the calls inside one ``lax.scan`` body iteration by iteration, last iteration first.
-    Calls whose backward pass did not run (a branch not taken) deliver nothing.
+    Calls whose backward pass did not run (a branch not taken) deliver nothing. Hooks with
+    ``every > 1`` are gated by their counters in ``hook_state.host`` when it is threaded.
+
+    Returns:
+        ``(advanced host counters, token)``; the token is ``None`` when nothing is sent.
     """
     groups: dict[tuple, list] = {}  # calls grouped by their enclosing loops, in backward order
     for key in reversed(plan.order):
         site = plan.by_key[key]
         if site.host and key in probe_grads:
             groups.setdefault(site.loops, []).append(site)
+    state = None if hook_state is None else _as_hook_state(hook_state, plan.config.transform)
+    host = dict(state.host) if state is not None else {}
     if not groups:
-        return
+        return host, None
     payload, order = [], []
     for sites in groups.values():
         entries = []
@@ -143,7 +150,18 @@ def send_host(plan: Any, probe_grads: dict) -> None:
             payload.append((recs, g["ran"]))
             entries.append(site.host)
         order.append((sites[0].scans, entries))
-    _host.send_records(payload, order)
+    due = {}
+    if state is not None:
+        for key, hook in gated_hooks(plan.config).items():
+            if key not in host:
+                raise ConfigError(
+                    f"{plan.config.transform}: hook_state has no step counter for {hook!r} "
+                    f"(hook_state.host[{key!r}]); it was made for other hooks. {THREADING}"
+                )
+            count = host[key]["count"]
+            due[hook] = jnp.mod(count, hook.every) == 0
+            host[key] = {"count": count + 1}
+    return host, _host.send_records(payload, order, due)
 
 
 # --- hook state ---------------------------------------------------------------------------------
@@ -204,43 +222,58 @@ def layer_states(plan: Any, hook_state: Any) -> dict:
     return out
 
 
-def new_state(plan: Any, hook_state: Any, g_states: dict) -> HookState | None:
-    """The advanced hook state (host counters are advanced by ``deliver``)."""
+def new_state(plan: Any, hook_state: Any, g_states: dict, host: dict) -> HookState | None:
+    """The advanced hook state: new layer states and host counters (capture ones: ``deliver``)."""
     if hook_state is None:
         return None
     state = _as_hook_state(hook_state, plan.config.transform)
-    return HookState({k: g_states.get(k, v) for k, v in state.layers.items()}, state.host)
+    return HookState({k: g_states.get(k, v) for k, v in state.layers.items()}, host)
 
 
-def host_counters(specs: Sequence[Any]) -> dict:
-    """Initial step counters of the capture host deliveries that skip steps."""
-    return {
-        i: {"count": jnp.zeros((), jnp.float32)}
-        for i, spec in enumerate(specs)
+def gated_hooks(config: _context.Config) -> dict:
+    """``{counter key: hook}``: the distinct ``vk.on_host`` hooks with ``every > 1``."""
+    hooks = {h: None for _, hs in config.hooks for h in hs if getattr(h, "deferred", False) and h.every > 1}
+    return {f"on_host[{j}]": h for j, h in enumerate(hooks)}
+
+
+def host_counters(config: _context.Config) -> dict:
+    """Initial step counters of the host deliveries that skip steps (``every > 1``)."""
+    keys = [
+        f"capture[{i}]"
+        for i, spec in enumerate(config.capture)
         if spec.host is not None and spec.host.every > 1
-    }
+    ]
+    keys += list(gated_hooks(config))
+    return {key: {"count": jnp.zeros((), jnp.float32)} for key in keys}
 
 
-def deliver(config: _context.Config, captured: dict, state: HookState | None) -> HookState | None:
-    """Sends each capture spec's records to its host function; advances skipping counters."""
-    counters = host_counters(config.capture)
-    if counters and (state is None or set(state.host) != set(counters)):
+def deliver(
+    config: _context.Config, captured: dict, state: HookState | None, after: jax.Array | None = None
+) -> tuple[HookState | None, jax.Array | None]:
+    """Sends each capture spec's records to its host function, after ``after``.
+
+    Returns:
+        ``(state with advanced capture counters, token of the last transfer or after)``.
+    """
+    counted = [i for i, spec in enumerate(config.capture) if spec.host is not None and spec.host.every > 1]
+    host = dict(state.host) if state is not None else {}
+    if counted and (state is None or any(f"capture[{i}]" not in host for i in counted)):
         raise ConfigError(
             f"{config.transform}: a capture host delivery with every > 1 keeps a step counter in the "
             f"hook state, so the function needs hook_state=. {THREADING}"
         )
-    host = dict(state.host) if state is not None else {}
+    token = after
     for i, spec in enumerate(config.capture):
         if spec.host is None:
             continue
         mine = {k: v for k, v in captured.items() if spec.matches(v.name)}
-        if i in counters:
-            count = host[i]["count"]
-            jax.lax.cond(jnp.mod(count, spec.host.every) == 0, spec.host.send, lambda m: None, mine)
-            host[i] = {"count": count + 1}
+        if i in counted:
+            count = host[f"capture[{i}]"]["count"]
+            token = spec.host.send(mine, jnp.mod(count, spec.host.every) == 0, token)
+            host[f"capture[{i}]"] = {"count": count + 1}
         else:
-            spec.host.send(mine)
-    return None if state is None else HookState(state.layers, host)
+            token = spec.host.send(mine, None, token)
+    return (None if state is None else HookState(state.layers, host)), token
 
 
 def init_states(plan: Any, collect: Callable[[Any], Any]) -> HookState:
@@ -251,4 +284,4 @@ def init_states(plan: Any, collect: Callable[[Any], Any]) -> HookState:
             continue
         layers[s.key] = _hooks.init_state(s.hooks, collect(s))
         _hooks.check_float_state(layers[s.key], s.key)
-    return HookState(layers, host_counters(plan.config.capture))
+    return HookState(layers, host_counters(plan.config))

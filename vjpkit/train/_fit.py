@@ -3,13 +3,20 @@
 Contract: ``fit`` validates everything (optimizer, data, batch, mesh, loss, checkpoint tree)
 before anything is compiled, then runs ``steps`` steps of ``make_step``, ``scan_steps``
 per dispatch (``lax.scan``). Metrics stay on the device and are fetched every ``log_every``
-steps, so dispatch runs ahead of the host. The run is a pure function of ``(params, data,
+steps, so dispatch runs ahead of the host. Captured records leave each step as ONE packed
+output (``_host._pack``) and are fetched one dispatch behind: after dispatching step ``t``,
+``on_records`` gets step ``t - 1``'s records while the device computes step ``t``. Each
+dispatched step's records reach ``on_records`` exactly once, in step order, also at the end,
+before a checkpoint is saved, and when the loop stops on an exception (under
+``nan_policy="stop"``: up to and including the non-finite step; nothing more after an
+exception raised by ``on_records`` itself). The run is a pure function of ``(params, data,
 seed)``: batch ``t`` depends only on ``t`` and the seed, and so a run resumed from a checkpoint
 ends bit-identical to an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 import warnings
@@ -21,6 +28,7 @@ import numpy as np
 import optax
 
 from .._errors import ConfigError, NonFiniteError
+from .._host import _pack
 from ..inspect._nonfinite import first_nonfinite
 from ._data import ArrayBatches, check_batch, make_batches
 from ._state import TrainState
@@ -154,6 +162,9 @@ def fit(
         loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy, report_finite=True
     )
     jax.eval_shape(step_fn, state, first)  # every trace-time check, before any compile
+    unpack: list = []  # the records' unpack function, set when the step is traced
+    if on_records is not None:
+        step_fn = _packing(step_fn, unpack)
     del first  # an iterable's first batch is handed to the loop; keep no extra reference
 
     checkpointer = None
@@ -184,6 +195,7 @@ def fit(
             eval_fn=eval_fn,
             eval_every=eval_every,
             on_records=on_records,
+            unpack=unpack,
             on_metrics=on_metrics,
             checkpointer=checkpointer,
             checkpoint_every=checkpoint_every,
@@ -201,6 +213,18 @@ def fit(
     return state, history
 
 
+def _packing(step_fn: Callable, unpack: list) -> Callable:
+    """``step_fn`` whose captured records leave as one buffer per dtype (``metrics["records"]``)."""
+
+    def step(state, batch):
+        state, metrics = step_fn(state, batch)
+        buffers, unpack_fn = _pack(metrics.pop("captured"))
+        unpack[:] = [unpack_fn]
+        return state, {**metrics, "records": buffers}
+
+    return step
+
+
 _REFRESH_SECONDS = 1.0  # the progress bar's loss and count are fetched at least this often
 
 
@@ -216,6 +240,7 @@ def _loop(
     eval_fn: Callable | None,
     eval_every: int | None,
     on_records: Callable | None,
+    unpack: list,
     on_metrics: Callable | None,
     checkpointer: Any,
     checkpoint_every: int | None,
@@ -244,6 +269,37 @@ def _loop(
     pending: list[list] = []  # [t0, k, metrics, stacked, batches or None]
     last_eval: dict = {}
     stop: list[int] = []  # the first non-finite step under "stop", once seen
+    outbox: collections.deque = collections.deque()  # [t0, k, records, finite, stacked]
+    halt: list[int] = []  # under "stop": the non-finite step, the last whose records are delivered
+    in_callback = [False]  # on_records is running: an exception from it ends delivery
+
+    def deliver(keep: int, check: bool = True) -> None:
+        """Hands ``on_records`` the records of all but the newest ``keep`` dispatches, in order."""
+        while len(outbox) > keep:
+            t0, k, records, finite, stacked = outbox.popleft()
+            host, finite = jax.device_get((records, finite))
+            finite = np.atleast_1d(finite)
+            for i in range(k):
+                if halt or (stop and t0 + i > stop[0]):
+                    outbox.clear()
+                    return
+                in_callback[0] = True
+                on_records(t0 + i, unpack[0]([b[i] for b in host] if stacked else host))
+                in_callback[0] = False
+                if nan_policy == "stop" and not finite[i]:
+                    halt.append(t0 + i)
+                    if check:
+                        flush()  # raises NonFiniteError for this step
+
+    def dispatch(stepper: Callable, batch: Any, k: int, stacked: bool, kept: Any) -> None:
+        nonlocal state
+        state, metrics = stepper(state, batch)
+        if on_records is not None:
+            outbox.append([t, k, metrics.pop("records"), metrics["finite"], stacked])
+        pending.append([t, k, metrics, stacked, kept])
+        if on_records is not None:
+            deliver(keep=1)  # the previous dispatch's records, while the device runs this one
+
     refreshed = [time.perf_counter()]
 
     def prune() -> None:
@@ -261,9 +317,9 @@ def _loop(
     def flush() -> None:
         if not pending:
             return
-        fetched = jax.device_get([m for _, _, m, _, _ in pending])
+        fetched = jax.device_get([{k: m[k] for k in ("loss", "finite")} for _, _, m, _, _ in pending])
         bad_batch = None
-        for (t0, k, _, stacked, kept), metrics in zip(pending, fetched):
+        for (t0, k, _, _, kept), metrics in zip(pending, fetched):
             losses = np.atleast_1d(metrics["loss"])
             finite = np.atleast_1d(metrics["finite"])
             for i in range(k):
@@ -274,9 +330,6 @@ def _loop(
                 history["loss"].append(float(losses[i]))
                 if on_metrics is not None:
                     on_metrics(step, {"train/loss": float(losses[i])})
-                if on_records is not None:
-                    captured = metrics["captured"]
-                    on_records(step, jax.tree.map(lambda a, i=i: a[i], captured) if stacked else captured)
                 if nan_policy != "off" and not finite[i]:
                     history["nonfinite"].append(step)
                     if nan_policy == "stop":
@@ -344,40 +397,46 @@ def _loop(
         last_eval.update({f"eval_{name}": f"{float(v):.4g}" for name, v in result.items()})
         show()
 
-    while steps is None or t < steps:
-        k = scan_steps if (multi is not None and (steps is None or steps - t >= scan_steps)) else 1
-        group = []
-        for _ in range(k):
-            batch = next(it, None)
-            if batch is None:
+    try:
+        while steps is None or t < steps:
+            k = scan_steps if (multi is not None and (steps is None or steps - t >= scan_steps)) else 1
+            group = []
+            for _ in range(k):
+                batch = next(it, None)
+                if batch is None:
+                    break
+                group.append(batch)
+            if not group:
                 break
-            group.append(batch)
-        if not group:
-            break
-        if len(group) == k and k > 1:
-            state, metrics = multi(state, put(_stack(group), 1))
-            pending.append([t, k, metrics, True, group if keep_batches else None])
-            t += k
-        else:
-            for batch in group:
-                state, metrics = single(state, put(batch))
-                pending.append([t, 1, metrics, False, [batch] if keep_batches else None])
-                t += 1
-        del group, batch
-        if keep_batches:
-            prune()
-        if t - last_log >= log_every or (
-            bar is not None and time.perf_counter() - refreshed[0] >= _REFRESH_SECONDS
-        ):
-            flush()
-            last_log = t
-        if next_eval is not None and t >= next_eval:
-            evaluate()
-            next_eval += eval_every
-        if next_ckpt is not None and t >= next_ckpt:
-            flush()
-            checkpointer.save(t, state, {"step": t, "seed": seed})
-            next_ckpt += checkpoint_every
+            if len(group) == k and k > 1:
+                dispatch(multi, put(_stack(group), 1), k, True, group if keep_batches else None)
+                t += k
+            else:
+                for batch in group:
+                    dispatch(single, put(batch), 1, False, [batch] if keep_batches else None)
+                    t += 1
+            del group, batch
+            if keep_batches:
+                prune()
+            if t - last_log >= log_every or (
+                bar is not None and time.perf_counter() - refreshed[0] >= _REFRESH_SECONDS
+            ):
+                flush()
+                last_log = t
+            if next_eval is not None and t >= next_eval:
+                evaluate()
+                next_eval += eval_every
+            if next_ckpt is not None and t >= next_ckpt:
+                deliver(keep=0)  # a run resumed from this checkpoint delivers from step t on
+                flush()
+                checkpointer.save(t, state, {"step": t, "seed": seed})
+                next_ckpt += checkpoint_every
+        if on_records is not None:
+            deliver(keep=0)
+    except BaseException:
+        if on_records is not None and not in_callback[0]:
+            deliver(keep=0, check=False)  # the dispatched steps' records are not lost
+        raise
     flush()
     if eval_fn is not None and (not history["eval"] or history["eval"][-1]["step"] != t):
         evaluate()

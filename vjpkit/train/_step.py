@@ -10,6 +10,7 @@ through ``state.hook_state`` when the hooks keep any. Everything is checked at t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .. import _autodiff
+from .. import _autodiff, _host
 from .._errors import ConfigError
 from ._state import TrainState
 
@@ -74,7 +75,7 @@ def make_step(
         hooks: layer hooks, as in ``vjpkit.grad``; stateful ones use ``state.hook_state``.
         capture: capture spec(s), as in ``vjpkit.grad``; records go to ``metrics["captured"]``.
         nan_policy: ``"stop"``: a step whose loss or gradients are not finite, and every later
-            one, leaves the state unchanged, step count and rng included
+            one, leaves the state unchanged, step count and rng included, and sends nothing to the host
             (``state.nonfinite_step`` records it); ``"continue"``: it is recorded
             and training goes on; ``"off"``: nothing is checked.
         jit: return the ``jax.jit``-compiled step (state donated); ``False`` gives the traceable
@@ -113,12 +114,15 @@ def build_step(
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         rng, key = jax.random.split(state.rng)
         kwargs = {"key": key} if wants_key else {}
-        if state.hook_state:
-            out = value_and_grad(state.params, batch, hook_state=state.hook_state, **kwargs)
-            hook_state = out[-1]
-        else:
-            out = value_and_grad(state.params, batch, **kwargs)
-            hook_state = state.hook_state
+        # under "stop", the steps after a non-finite one change nothing and send nothing to the host
+        live = _host.gate(state.nonfinite_step < 0) if nan_policy == "stop" else contextlib.nullcontext()
+        with live:
+            if state.hook_state:
+                out = value_and_grad(state.params, batch, hook_state=state.hook_state, **kwargs)
+                hook_state = out[-1]
+            else:
+                out = value_and_grad(state.params, batch, **kwargs)
+                hook_state = state.hook_state
         if captures:
             (loss, grads), captured = out[0], out[1]
         else:
