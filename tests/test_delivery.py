@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import vjpkit as vk
+from tests.helpers import tree_allclose
 from vjpkit import nn
 
 STEPS, BAD = 1000, 600
@@ -136,3 +137,26 @@ def test_user_jit_loop_without_hook_state_counts_on_the_host():
     out = [g(PARAMS, batch) for batch in batches(100)]
     jax.block_until_ready(out)
     assert seen == list(range(0, 100, 9))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["host_call", "pure_callback_fallback"])
+def test_both_transports_deliver_in_order_under_vmap_and_grad_of_grad(direct, monkeypatch):
+    """The private ``host_call`` primitive and its ``jax.pure_callback`` fallback agree: in order,
+    once per example under ``vmap``, and inside ``jax.grad`` of a hooked gradient."""
+    from vjpkit import _callback
+
+    monkeypatch.setattr(_callback, "DIRECT", direct)
+    seen = []
+    g = vk.grad(loss_fn, hooks={"fc": vk.on_host(lambda rec: seen.append(input_step(rec)))})
+    data = list(batches(20))
+    jax.block_until_ready([jax.jit(g)(PARAMS, b) for b in data])
+    assert seen == list(range(20))
+    seen.clear()
+    xs = np.stack([b[0] for b in data[:5]])
+    jax.block_until_ready(jax.jit(jax.vmap(g, (None, (0, None))))(PARAMS, (xs, data[0][1])))
+    assert seen == list(range(5))
+    seen.clear()
+    outer = jax.jit(jax.grad(lambda p, b: optax.tree.norm(g(p, b))))
+    ref = jax.grad(lambda p, b: optax.tree.norm(jax.grad(loss_fn)(p, b)))(PARAMS, data[3])
+    tree_allclose(outer(PARAMS, data[3]), ref, rtol=1e-5)
+    assert seen == [3]

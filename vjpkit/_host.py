@@ -18,7 +18,7 @@ threads ``hook_state=`` (``vk.init_hook_state``; ``fit`` does), the count lives 
 state and the decision is made inside the graph: a skipped step transfers nothing. Without
 ``hook_state`` the count is kept on the host, and every step pays the transfer.
 
-Transfers are ``jax.pure_callback`` calls (no JAX effect, so a jitted step keeps JAX's fast
+Transfers are ``_callback.host_call`` calls (no JAX effect, so a jitted step keeps JAX's fast
 dispatch path) chained to each other and tied to every array the transform returns: a step's
 host functions have run, in order, once its outputs are ready (``jax.block_until_ready``), and
 before any later step that uses them. They run even when only part of the output is used.
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._callback import host_call
 from ._errors import ConfigError, HostHookError
 from ._records import Cotangents
 
@@ -66,9 +67,6 @@ def _pack(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
         return jax.tree.unflatten(treedef, [host[b][lo:hi].reshape(shape) for b, lo, hi, shape in slices])
 
     return buffers, unpack
-
-
-_TOKEN = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 _gates = threading.local()
@@ -110,12 +108,7 @@ def transfer(fn: Callable[[Any], None], tree: Any, after: jax.Array | None = Non
         return jnp.zeros((), jnp.float32)
     operands = buffers if after is None else [*buffers, jax.lax.stop_gradient(after)]
     n = len(buffers)
-
-    def callback(*bufs):
-        fn(unpack(bufs[:n]))
-        return np.zeros((), np.float32)
-
-    return jax.pure_callback(callback, _TOKEN, *operands, vmap_method="sequential")
+    return host_call(lambda *bufs: fn(unpack([np.array(b) for b in bufs[:n]])), *operands)
 
 
 def tie(token: jax.Array | None, tree: Any) -> Any:

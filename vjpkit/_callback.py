@@ -1,0 +1,94 @@
+"""``host_call``: an effect-free host callback that hands numpy buffers to Python without copies.
+
+Contract: ``host_call(fn, *operands)`` returns a float32 zero token and, when the token is used,
+runs ``fn(*numpy arrays)`` once on the host. It is a private primitive lowered with
+``mlir.emit_python_callback`` (no JAX effect, so jitted steps keep the fast dispatch path),
+which passes XLA's host buffers to ``fn`` directly: ``jax.pure_callback`` first copies them
+into ``jax.Array`` objects, which costs more than the rest of a small step. The arrays ``fn``
+receives are only valid during the call: copy what you keep. Under ``vmap`` it runs once per
+example (sequentially); its token has no tangent. Where this JAX lacks that lowering helper,
+``host_call`` falls back to ``jax.pure_callback``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.interpreters import ad, batching, mlir
+
+_TOKEN = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def _direct_lowering_available() -> bool:
+    emit = getattr(mlir, "emit_python_callback", None)
+    try:
+        params = inspect.signature(emit).parameters
+    except (TypeError, ValueError):
+        return False
+    return {"has_side_effect", "returns_token"} <= set(params)
+
+
+host_p = jcore.Primitive("vjpkit_host_call")
+
+
+def _abstract_eval(*avals, fn):
+    return jax.core.ShapedArray((), jnp.float32)
+
+
+def _lowering(ctx, *args, fn):
+    def callback(*bufs):
+        fn(*bufs)
+        return (np.zeros((), np.float32),)
+
+    result, _, _ = mlir.emit_python_callback(
+        ctx,
+        callback,
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=False,
+        returns_token=False,
+    )
+    return result
+
+
+def _batch(args, dims, *, fn):
+    mapped = [isinstance(d, int) for d in dims]  # an unmapped operand's dim is None
+    size = next(a.shape[d] for a, d, m in zip(args, dims, mapped) if m)
+    moved = [
+        jnp.moveaxis(a, d, 0) if m else jnp.broadcast_to(a, (size, *a.shape))
+        for a, d, m in zip(args, dims, mapped)
+    ]
+    return jax.lax.map(lambda xs: host_p.bind(*xs, fn=fn), moved), 0
+
+
+def _jvp(primals, tangents, *, fn):
+    out = host_p.bind(*primals, fn=fn)
+    return out, ad.Zero.from_primal_value(out)
+
+
+host_p.def_impl(lambda *args, fn: jax.jit(lambda *a: host_p.bind(*a, fn=fn))(*args))
+host_p.def_abstract_eval(_abstract_eval)
+batching.primitive_batchers[host_p] = _batch
+ad.primitive_jvps[host_p] = _jvp
+mlir.register_lowering(host_p, _lowering)
+
+DIRECT = _direct_lowering_available()
+
+
+def host_call(fn: Callable[..., None], *operands: jax.Array) -> jax.Array:
+    """Runs ``fn(*operands as numpy arrays)`` on the host once the returned token is used."""
+    if DIRECT:
+        return host_p.bind(*operands, fn=fn)
+
+    def callback(*bufs):
+        fn(*(np.asarray(b) for b in bufs))
+        return np.zeros((), np.float32)
+
+    return jax.pure_callback(callback, _TOKEN, *operands, vmap_method="sequential")
