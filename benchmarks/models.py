@@ -1,7 +1,8 @@
 """The three benchmark models, each as a vjpkit model and as hand-written raw JAX.
 
 Both versions share one params pytree, so any difference in step time is vjpkit's. The raw CNN
-max-pools by reshaping (``max_pool_reshape``), the same computation as ``vjpkit.nn.max_pool``;
+max-pools by reshaping (``max_pool_reshape``), the same computation as ``vjpkit.nn.max_pool``
+(``peers.py``'s like-for-like Flax NNX and Equinox CNNs pool with it too);
 ``EXTRA_RAW`` holds the CNN written with ``lax.reduce_window`` pooling instead, whose gradient
 (``select_and_scatter``) is much slower on XLA:CPU.
 """
@@ -27,10 +28,13 @@ def _conv(p, x):
 
 
 def max_pool_reshape(x):
-    """2x2, stride 2, VALID max pool of NHWC ``x`` as a reshape and a max."""
-    b, h, w, c = x.shape
-    ho, wo = h // 2, w // 2
-    return x[:, : ho * 2, : wo * 2].reshape(b, ho, 2, wo, 2, c).max(axis=(2, 4))
+    """2x2, stride 2, VALID max pool over axes 1 and 2 as a reshape and a max.
+
+    ``x`` is NHWC, or one CHW example (Equinox's layout under ``vmap``): H and W are axes 1, 2.
+    """
+    ho, wo = x.shape[1] // 2, x.shape[2] // 2
+    x = x[:, : ho * 2, : wo * 2]
+    return x.reshape(x.shape[0], ho, 2, wo, 2, *x.shape[3:]).max(axis=(2, 4))
 
 
 def max_pool_reduce_window(x):

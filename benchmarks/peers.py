@@ -5,6 +5,13 @@ weights (vjpkit's, copied into the peer's layout), with the same data, loss (sof
 cross-entropy, mean) and optimizer (SGD, lr 0.01, momentum 0.9), so the first-step losses agree
 to float32 rounding.
 
+The CNN pools as vjpkit's ``nn.max_pool`` does (``models.max_pool_reshape``: a reshape and a
+max) in every Flax NNX and Equinox row named in ``PEER_ROWS``, so that their ratios to vjpkit
+measure the library, not the pool. The CNN alone also has the rows of ``OWN_POOL_ROWS`` (the
+name plus ``OWN_POOL``): the same model with the peer's own pool (``nnx.max_pool``,
+``eqx.nn.MaxPool2d``, both ``lax.reduce_window``), what their users get. PyTorch pools with
+``nn.MaxPool2d``.
+
 * Flax NNX and Equinox are JAX: they run in run.py's process, as ``JaxVariant``s.
 * PyTorch runs in a worker subprocess (``python benchmarks/peers.py --torch-worker``), so that
   its OpenMP threads and XLA's thread pool never compete. ``TorchClient`` speaks JSON lines with
@@ -37,11 +44,26 @@ FLAX_ROWS = ("Flax NNX", "Flax NNX (split/merge + jax.jit)")
 EQUINOX_ROWS = ("Equinox",)
 TORCH_ROWS = ("PyTorch eager", "PyTorch eager + full backward hooks (norms)")
 PEER_ROWS = {"flax": FLAX_ROWS, "equinox": EQUINOX_ROWS, "torch": TORCH_ROWS}
+OWN_POOL = ", lax.reduce_window pool"
+OWN_POOL_ROWS = {peer: tuple(name + OWN_POOL for name in PEER_ROWS[peer]) for peer in ("flax", "equinox")}
 _PARAM_LAYERS = {"cnn": ("conv1", "conv2", "fc")}  # the MLPs: fc1, fc2, fc3
 
 
 def param_layers(key: str) -> tuple[str, ...]:
     return _PARAM_LAYERS.get(key, ("fc1", "fc2", "fc3"))
+
+
+def peer_rows(peer: str, key: str) -> tuple[str, ...]:
+    """A peer's row names for model ``key``: ``OWN_POOL_ROWS`` come after, for the CNN only."""
+    return PEER_ROWS[peer] + (OWN_POOL_ROWS.get(peer, ()) if key == "cnn" else ())
+
+
+def _pools(peer: str, key: str, like_vjpkit, own) -> dict[tuple[str, ...], Any]:
+    """Row names -> the CNN's pool layer: vjpkit's for ``PEER_ROWS``, the peer's for ``OWN_POOL_ROWS``."""
+    pools = {PEER_ROWS[peer]: like_vjpkit}
+    if key == "cnn":
+        pools[OWN_POOL_ROWS[peer]] = own
+    return pools
 
 
 def chw_layers(key: str, params) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -137,41 +159,56 @@ def _xent(logits, y):
 
 
 def flax_variants(key: str, params, x, y) -> dict[str, JaxVariant]:
-    """Flax NNX, idiomatic (``nnx.jit``) and the documented functional loop (split/merge)."""
-    import jax
+    """Flax NNX rows: for each pool of ``_pools``, ``nnx.jit`` and split/merge (``_flax_pair``)."""
+    from flax import nnx
+    from models import max_pool_reshape
+
+    own = functools.partial(nnx.max_pool, window_shape=(2, 2), strides=(2, 2))
+    out = {}
+    for names, pool in _pools("flax", key, max_pool_reshape, own).items():
+        out.update(zip(names, _flax_pair(key, params, x, y, pool)))
+    return out
+
+
+def _flax_model(key: str, params, pool):
+    """The model as ``nnx.Sequential`` (the CNN pooling with ``pool``) and its ``nnx.Optimizer``."""
     import jax.numpy as jnp
     import optax
     from flax import nnx
 
-    def build():
-        rngs = nnx.Rngs(0)
-        if key == "cnn":
-            pool = functools.partial(nnx.max_pool, window_shape=(2, 2), strides=(2, 2))
-            model = nnx.Sequential(
-                nnx.Conv(1, 16, kernel_size=(3, 3), padding="SAME", rngs=rngs),
-                nnx.relu,
-                pool,
-                nnx.Conv(16, 32, kernel_size=(3, 3), padding="SAME", rngs=rngs),
-                nnx.relu,
-                pool,
-                lambda h: h.reshape(h.shape[0], -1),
-                nnx.Linear(7 * 7 * 32, 10, rngs=rngs),
-            )
-            layers = [model.layers[i] for i in (0, 3, 7)]
-        else:
-            sizes = [params[n]["weight"].shape for n in param_layers(key)]
-            model = nnx.Sequential(
-                nnx.Linear(*sizes[0], rngs=rngs),
-                nnx.relu,
-                nnx.Linear(*sizes[1], rngs=rngs),
-                nnx.relu,
-                nnx.Linear(*sizes[2], rngs=rngs),
-            )
-            layers = [model.layers[i] for i in (0, 2, 4)]
-        for layer, name in zip(layers, param_layers(key)):  # vjpkit's layout is flax's
-            layer.kernel[...] = jnp.asarray(params[name]["weight"])
-            layer.bias[...] = jnp.asarray(params[name]["bias"])
-        return model, nnx.Optimizer(model, optax.sgd(LR, momentum=MOMENTUM), wrt=nnx.Param)
+    rngs = nnx.Rngs(0)
+    if key == "cnn":
+        model = nnx.Sequential(
+            nnx.Conv(1, 16, kernel_size=(3, 3), padding="SAME", rngs=rngs),
+            nnx.relu,
+            pool,
+            nnx.Conv(16, 32, kernel_size=(3, 3), padding="SAME", rngs=rngs),
+            nnx.relu,
+            pool,
+            lambda h: h.reshape(h.shape[0], -1),
+            nnx.Linear(7 * 7 * 32, 10, rngs=rngs),
+        )
+        layers = [model.layers[i] for i in (0, 3, 7)]
+    else:
+        sizes = [params[n]["weight"].shape for n in param_layers(key)]
+        model = nnx.Sequential(
+            nnx.Linear(*sizes[0], rngs=rngs),
+            nnx.relu,
+            nnx.Linear(*sizes[1], rngs=rngs),
+            nnx.relu,
+            nnx.Linear(*sizes[2], rngs=rngs),
+        )
+        layers = [model.layers[i] for i in (0, 2, 4)]
+    for layer, name in zip(layers, param_layers(key)):  # vjpkit's layout is flax's
+        layer.kernel[...] = jnp.asarray(params[name]["weight"])
+        layer.bias[...] = jnp.asarray(params[name]["bias"])
+    return model, nnx.Optimizer(model, optax.sgd(LR, momentum=MOMENTUM), wrt=nnx.Param)
+
+
+def _flax_pair(key: str, params, x, y, pool) -> tuple[JaxVariant, JaxVariant]:
+    """Flax NNX, idiomatic (``nnx.jit``) and the documented functional loop (split/merge)."""
+    import jax
+    from flax import nnx
 
     def loss_fn(model, x, y):
         return _xent(model(x), y)
@@ -182,7 +219,7 @@ def flax_variants(key: str, params, x, y) -> dict[str, JaxVariant]:
         optimizer.update(model, grads)
         return loss
 
-    model, optimizer = build()
+    model, optimizer = _flax_model(key, params, pool)
 
     def nnx_step(carry, x, y):
         return carry, train_step(*carry, x, y), None
@@ -194,7 +231,7 @@ def flax_variants(key: str, params, x, y) -> dict[str, JaxVariant]:
         optimizer.update(model, grads)
         return loss, nnx.state((model, optimizer))
 
-    graphdef, state = nnx.split(build())
+    graphdef, state = nnx.split(_flax_model(key, params, pool))
 
     def split_step(carry, x, y):
         loss, carry = jax_train_step(graphdef, carry, x, y)
@@ -204,15 +241,23 @@ def flax_variants(key: str, params, x, y) -> dict[str, JaxVariant]:
     nnx_variant.lower = lambda: train_step.lower(*nnx_variant.carry, x, y)
     split_variant = JaxVariant(split_step, state, x, y, None)
     split_variant.lower = lambda: jax_train_step.lower(graphdef, split_variant.carry, x, y)
-    return {FLAX_ROWS[0]: nnx_variant, FLAX_ROWS[1]: split_variant}
+    return nnx_variant, split_variant
 
 
 def equinox_variants(key: str, params, x, y) -> dict[str, JaxVariant]:
-    """Equinox: per-example modules vmapped over the batch, ``eqx.filter_jit``; NCHW for the CNN."""
+    """Equinox rows, one for each pool of ``_pools`` (``_equinox_variant``)."""
+    import equinox as eqx
+    from models import max_pool_reshape
+
+    pools = _pools("equinox", key, eqx.nn.Lambda(max_pool_reshape), eqx.nn.MaxPool2d(2, stride=2))
+    return {name: _equinox_variant(key, params, x, y, pool) for (name,), pool in pools.items()}
+
+
+def _equinox_model(key: str, params, pool):
+    """The model as ``eqx.nn.Sequential`` (the CNN pooling with ``pool``), vjpkit's weights in."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import optax
 
     keys = jax.random.split(jax.random.key(0), 3)
     if key == "cnn":
@@ -220,16 +265,15 @@ def equinox_variants(key: str, params, x, y) -> dict[str, JaxVariant]:
             [
                 eqx.nn.Conv2d(1, 16, 3, padding="SAME", key=keys[0]),
                 eqx.nn.Lambda(jax.nn.relu),
-                eqx.nn.MaxPool2d(2, stride=2),
+                pool,
                 eqx.nn.Conv2d(16, 32, 3, padding="SAME", key=keys[1]),
                 eqx.nn.Lambda(jax.nn.relu),
-                eqx.nn.MaxPool2d(2, stride=2),
+                pool,
                 eqx.nn.Lambda(jnp.ravel),
                 eqx.nn.Linear(7 * 7 * 32, 10, key=keys[2]),
             ]
         )
         index = (0, 3, 7)
-        x = jnp.transpose(x, (0, 3, 1, 2))  # the data as an NCHW user would have it
     else:
         sizes = [params[n]["weight"].shape for n in param_layers(key)]
         model = eqx.nn.Sequential(
@@ -249,6 +293,19 @@ def equinox_variants(key: str, params, x, y) -> dict[str, JaxVariant]:
             model,
             (jnp.asarray(w), jnp.asarray(b).reshape(old.bias.shape)),
         )
+    return model
+
+
+def _equinox_variant(key: str, params, x, y, pool) -> JaxVariant:
+    """Equinox: per-example modules vmapped over the batch, ``eqx.filter_jit``; NCHW for the CNN."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    model = _equinox_model(key, params, pool)
+    if key == "cnn":
+        x = jnp.transpose(x, (0, 3, 1, 2))  # the data as an NCHW user would have it
     opt = optax.sgd(LR, momentum=MOMENTUM)
     opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
 
@@ -264,7 +321,7 @@ def equinox_variants(key: str, params, x, y) -> dict[str, JaxVariant]:
 
     variant = JaxVariant(step, (model, opt_state), x, y, None)
     variant.lower = lambda: step.lower(variant.carry, x, y)
-    return {EQUINOX_ROWS[0]: variant}
+    return variant
 
 
 # ----------------------------------------------------------------------------------------------

@@ -98,10 +98,10 @@ def jax_variants(key, model, raw_apply, x, y):
 
 
 def jax_peer_variants(key, params, x, y, selected):
-    """The Flax NNX and Equinox rows: name -> JaxVariant, or a 'skipped: ...' string."""
+    """The Flax NNX and Equinox rows (``peers.peer_rows``): name -> JaxVariant, or a 'skipped: ...' string."""
     out = {}
     for peer, build in (("flax", peers.flax_variants), ("equinox", peers.equinox_variants)):
-        rows = peers.PEER_ROWS[peer]
+        rows = peers.peer_rows(peer, key)
         if peer not in selected:
             out.update(dict.fromkeys(rows, "skipped: not in --peers"))
             continue
@@ -194,7 +194,11 @@ def ratio(times, a, b):
 
 
 def targets(times, compile_ratios):
-    """The issue's targets, judged on this run's numbers (met is None when a peer was skipped)."""
+    """The issue's targets, judged on this run's numbers (met is None when a peer was skipped).
+
+    The Flax NNX and Equinox targets are judged against ``peers.PEER_ROWS``, whose CNN pools as
+    vjpkit's does; ``peers.OWN_POOL_ROWS`` (their own ``reduce_window`` pool) have no target.
+    """
     out = []
 
     def add(text, value, limit, against=None, strict=False):

@@ -83,3 +83,36 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
     assert all(rows[name]["status"] == "ok" for name in JAX_ROWS)
     assert data["per_example"] is None
     assert "| Equinox | skipped: ImportError" in stdout
+
+
+CNN_PEERS_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import peers, run
+from models import MODELS, data
+
+_, model, raw, shape, classes = MODELS["cnn"]()
+x, y = data(shape, classes)
+variants, params = run.jax_variants("cnn", model, raw, x, y)
+variants = {run.RAW: variants[run.RAW], **run.jax_peer_variants("cnn", params, x, y, ["flax", "equinox"])}
+print(json.dumps({name: [v.first_call()[1] for _ in range(2)] for name, v in variants.items()}))
+"""
+
+
+@pytest.mark.slow
+def test_cnn_peers_pool_like_vjpkit_and_also_their_own_way():
+    """The CNN's Flax NNX and Equinox rows come twice (reshape-max pool, reduce_window); all train alike."""
+    pytest.importorskip("flax")
+    pytest.importorskip("equinox")
+    proc = subprocess.run(
+        [sys.executable, "-c", CNN_PEERS_SCRIPT, str(ROOT / "benchmarks")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads(proc.stdout.splitlines()[-1])
+    own = [f"{name}, lax.reduce_window pool" for name in [*FLAX_ROWS, "Equinox"]]
+    assert list(losses) == ["raw JAX", *FLAX_ROWS, *own[:2], "Equinox", own[2]]
+    for name, two_steps in losses.items():
+        assert two_steps == pytest.approx(losses["raw JAX"], abs=1e-5), name
