@@ -7,11 +7,12 @@ Timing uses interleaved rounds: every round times each variant (in a shuffled or
 block of steps, and the reported figure is the median over rounds of the per-step time. Ratios
 are medians of the per-round ratios, so slow drifts of the machine cancel out. It also runs
 ``per_example_bench.py``'s comparison of per-example gradient norms (``--no-per-example``
-skips it), and ``eager_bench.py``'s eager-call comparison (eager hooked ``vk.grad`` against eager
-``jax.grad``, inner-jit traces, memory growth).
+skips it), ``eager_bench.py``'s eager-call comparison (eager hooked ``vk.grad`` against eager
+``jax.grad``, inner-jit traces, memory growth), and ``host_bench.py``'s host delivery (per-layer
+``vk.on_host`` hooks, ``every=100``, ``fit`` with ``on_records`` every step; ``--no-host`` skips it).
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
-[--compile-repeats 3] [--peers flax,equinox,torch] [--no-per-example] [--out PATH]``. What the
+[--compile-repeats 3] [--peers flax,equinox,torch] [--no-per-example] [--no-host] [--out PATH]``. What the
 rows, columns and memory figures are: ``benchmarks/README.md``.
 """
 
@@ -36,6 +37,7 @@ import optax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import eager_bench
+import host_bench
 import peers
 from models import EXTRA_RAW, MODELS, data, loss_of
 
@@ -363,6 +365,7 @@ def main(argv=None):
         "--compile-repeats", type=int, default=3, help="first calls per variant, from empty caches"
     )
     parser.add_argument("--no-per-example", action="store_true", help="skip the per-example-norms table")
+    parser.add_argument("--no-host", action="store_true", help="skip host_bench.py's host-delivery tables")
     parser.add_argument("--out", default=str(HERE / "results.json"))
     args = parser.parse_args(argv)
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
@@ -389,6 +392,7 @@ def main(argv=None):
             torch_client.close()
     pex = None if args.no_per_example else per_example(args.quick)
     eager = eager_bench.run(args.quick)
+    host = None if args.no_host else host_bench.run(args.quick)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -406,7 +410,7 @@ def main(argv=None):
         "peers": selected,
         "wall_s": time.perf_counter() - start,
     }
-    out = {"meta": meta, "results": results, "per_example": pex, "eager": eager}
+    out = {"meta": meta, "results": results, "per_example": pex, "eager": eager, "host": host}
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     v, busy = meta["versions"], meta["other_cpu_share"]
     print(
@@ -417,6 +421,8 @@ def main(argv=None):
     )
     print(markdown(results, pex))
     print(eager_bench.markdown(eager))
+    if host is not None:
+        print(host_bench.markdown(host))
     return out
 
 

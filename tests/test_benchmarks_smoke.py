@@ -58,6 +58,10 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     assert set(pex["median_ms"]) == {"vjpkit", "vmap(grad)", "value_and_grad"}
     eager = data["eager"]
     assert set(eager["median_ms"]) == {"vk.grad, hooks, eager", "jax.grad, eager"}
+    host = data["host"]  # host_bench.py: it asserts itself that fit delivered every record once
+    assert len(host["hooks"]) == 3 and len(host["fit"]) == 3
+    assert len(host["targets"]) == 5 and all(t["met"] in (True, False) for t in host["targets"])
+    assert "on_host(every=100)" in stdout and "fit with records every step" in stdout
     assert eager["ratio"] > 0 and eager["inner_jit_traces"] >= 1
     assert [t["met"] in (True, False) for t in eager["targets"]] == [True] * 3
     assert all(m["peak_mb"] > 0 for m in pex["xla_memory"].values())
@@ -73,7 +77,7 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
         (fake / mod / "__init__.py").write_text(f"raise ImportError('simulated: no {mod}')\n")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(fake), env.get("PYTHONPATH", "")])
-    data, stdout = run_bench(tmp_path, "--peers", "equinox,torch", "--no-per-example", env=env)
+    data, stdout = run_bench(tmp_path, "--peers", "equinox,torch", "--no-per-example", "--no-host", env=env)
     rows = {row["variant"]: row for row in data["results"][0]["rows"]}
     assert list(rows) == ALL_ROWS
     for name in FLAX_ROWS:

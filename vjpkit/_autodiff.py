@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _context, _engine, _host, _slots
 from ._capture import as_specs
+from ._check import require_inexact
 from ._errors import ConfigError, SeedError
 
 
@@ -127,15 +128,12 @@ def _transform(
 
 def _require_differentiable(diff: Sequence, nums: Sequence[int], transform: str) -> None:
     for i, value in zip(nums, diff):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-            dtype = jnp.result_type(leaf)
-            if not jnp.issubdtype(dtype, jnp.inexact):
-                where = f"args[{i}]{jax.tree_util.keystr(path)}"
-                raise ConfigError(
-                    f"{transform}: {where} has dtype {np.dtype(dtype).name}, but it is differentiated "
-                    "(argnums), so it must be a float or complex array. Cast it "
-                    "(x.astype(jnp.float32)) or leave it out of argnums."
-                )
+        require_inexact(
+            value,
+            f"{transform}: args[{i}]",
+            error=ConfigError,
+            hint="Cast it (x.astype(jnp.float32)) or leave it out of argnums.",
+        )
 
 
 def grad(

@@ -3,7 +3,8 @@
 Contract: ``check_like`` compares pytree structure, then each leaf's shape and dtype, and
 raises the given error class with the tree path, the expected value and the actual value.
 It never casts. Leaves are anything with ``.shape`` and ``.dtype`` (arrays, tracers,
-``jax.ShapeDtypeStruct``); ``None`` marks an absent subtree, as in JAX.
+``jax.ShapeDtypeStruct``); ``None`` marks an absent subtree, as in JAX. ``require_inexact``
+raises for the first leaf of a differentiated tree that is not float or complex.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._records import _describe, spec
@@ -41,3 +43,21 @@ def check_like(expected: Any, got: Any, *, what: str, error: type[Exception], hi
         if tuple(g.shape) != tuple(e.shape) or dtype_differs:
             cast = " There is no silent cast." if dtype_differs else ""
             raise error(f"{where}: expected {spec(e)}, got {spec(g)}.{cast}{tail}")
+
+
+def require_inexact(tree: Any, what: str, *, error: type[Exception], hint: str) -> None:
+    """Raises ``error`` naming the path and dtype of the first non-float leaf of ``tree``.
+
+    Args:
+        tree: a differentiated pytree.
+        what: who and which argument, e.g. ``"vk.grad: args[1]"``.
+        error: the exception class to raise.
+        hint: what to do, appended to the message.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise error(
+                f"{what}, path {jax.tree_util.keystr(path) or '(root)'}, has dtype {np.dtype(dtype).name}; "
+                f"it is differentiated, so it must be a float or complex array. {hint}"
+            )

@@ -40,7 +40,7 @@ import numpy as np
 from . import _context, _engine, _hooks, _host, _slots
 from ._autodiff import grad as _vk_grad
 from ._capture import as_specs
-from ._check import check_like
+from ._check import check_like, require_inexact
 from ._errors import ConfigError, SeedError
 from ._jvp_rule import TangentScope
 from ._records import _describe, spec
@@ -211,15 +211,13 @@ def _as_tuple(value: Any, argname: str, transform: str, example: str) -> tuple:
 
 
 def _require_float(tree: Any, what: str, transform: str) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-            where = jax.tree_util.keystr(path) or "(root)"
-            raise SeedError(
-                f"{transform}: {what}, path {where}, has dtype {np.dtype(dtype).name}; it is differentiated, "
-                "so it must be a float (or complex) array. Integer values have no derivative: cast it "
-                "(x.astype(jnp.float32)) or pass it as another argument (argnums)."
-            )
+    require_inexact(
+        tree,
+        f"{transform}: {what}",
+        error=SeedError,
+        hint="Integer values have no derivative: cast it (x.astype(jnp.float32)) or pass it as "
+        "another argument (argnums).",
+    )
 
 
 @contextlib.contextmanager

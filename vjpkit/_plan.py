@@ -134,12 +134,14 @@ class Plan:
 
     def under(self, path: tuple) -> list[Site]:
         """Active sites (one per key) strictly inside the equation at ``path``."""
-        n = len(path)
-        seen: dict[str, Site] = {}
-        for p, s in self.sites.items():
-            if s.active and len(p) > n and p[:n] == path:
-                seen.setdefault(s.key, s)
-        return list(seen.values())
+        if getattr(self, "_under_size", None) != len(self.sites):  # index every proper prefix once
+            index: dict[tuple, dict[str, Site]] = {}
+            for p, s in self.sites.items():
+                if s.active:
+                    for k in range(len(p)):
+                        index.setdefault(p[:k], {}).setdefault(s.key, s)
+            self._under, self._under_size = index, len(self.sites)
+        return list(self._under.get(tuple(path), {}).values())
 
     @property
     def names(self) -> list[str]:

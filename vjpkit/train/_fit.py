@@ -90,7 +90,9 @@ def fit(
         scan_steps: steps per dispatch; more than 1 runs them in one ``lax.scan``.
         eval_fn: ``eval_fn(params) -> dict of numbers``, called every ``eval_every`` steps.
         eval_every: steps between evaluations (and at the end).
-        on_records: ``on_records(step, captured)`` with numpy records, for every step.
+        on_records: ``on_records(step, captured)`` with numpy records, for every step, exactly
+            once and in order: fetched one dispatch behind, also at the end, before each
+            checkpoint and when the loop raises (``NonFiniteError``: up to the bad step).
         on_metrics: ``on_metrics(step, metrics)`` with a flat dict of floats: ``{"train/loss":
             ...}`` for every step and ``{"eval/<name>": ...}`` for every evaluation; for example
             ``vk.inspect.Recorder(tensorboard_dir=...).log_metrics``.
