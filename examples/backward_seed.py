@@ -104,8 +104,7 @@ def seed_is_grad_output():
     _, pullback = vk.vjp(
         lambda x: _model.apply(params, x), x, hooks={"fc2": vk.on_host(lambda rec: seen.append(rec))}
     )
-    pullback(v)
-    jax.effects_barrier()
+    jax.block_until_ready(pullback(v))  # the host function has run once the outputs are ready
     return {"v": v, "grad_output": seen[0].grad_output, "records": len(seen)}
 
 

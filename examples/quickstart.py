@@ -89,7 +89,8 @@ def main(argv=None):
         params, opt_state, loss = step(params, opt_state, x_train[idx], y_train[idx])
         if (i + 1) % 500 == 0:
             print(f"step {i + 1:5d}  loss {float(loss):.4f}")
-    jax.effects_barrier()  # every host callback has run
+    # each step uses the previous one's outputs: once the last is ready, every host function has run
+    jax.block_until_ready((params, opt_state, loss))
 
     predictions = jnp.argmax(model.apply(params, x_test), axis=-1)
     accuracy = float(jnp.mean(predictions == y_test))

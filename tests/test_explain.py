@@ -57,8 +57,9 @@ def test_rows_match_records_captured_on_data_in_forward_and_backward_order(maybe
     # forward order is the model's; backward order is the order host hooks see records
     assert [r["key"] for r in rows] == ["fc1", "relu1", "fc2", "relu2", "fc3"]
     seen = []
-    jax.jit(vk.grad(mlp_loss, hooks={"*": vk.on_host(lambda rec: seen.append(rec.key))}))(params, x, y)
-    jax.effects_barrier()
+    jax.block_until_ready(
+        jax.jit(vk.grad(mlp_loss, hooks={"*": vk.on_host(lambda rec: seen.append(rec.key))}))(params, x, y)
+    )
     assert [r["key"] for r in sorted(rows, key=lambda r: r["backward"])] == seen
     assert [r["forward"] for r in rows] == list(range(5))
 

@@ -162,7 +162,7 @@ def test_rewriting_and_host_hooks(case, maybe_jit):
     seen = []
     hooks = {"fc2": rewrite, "*": vk.on_host(lambda rec: seen.append((rec.name, rec.grad_output)))}
     grads = maybe_jit(vk.grad(case.loss, hooks=hooks))(case.params, x, y)
-    jax.effects_barrier()
+    jax.block_until_ready(grads)
     _close(case.layer(grads, "fc2"), jax.tree.map(lambda g: 2.0 * g, case.layer(expected, "fc2")))
     _close(case.layer(grads, "fc1"), jax.tree.map(lambda g: 3.0 * g, case.layer(expected, "fc1")))
     names = [n for n, _ in seen]
@@ -212,7 +212,7 @@ def test_vjp_with_hooks(case, maybe_jit):
         return out, pull(s)
 
     out, (grads,) = maybe_jit(run)(case.params, seed)
-    jax.effects_barrier()
+    jax.block_until_ready((out, grads))
     _close(out, out_ref)
     _close(grads, expected)
     fc2 = seen["fc2"]
@@ -453,6 +453,6 @@ def test_linen_under_nested_hooked_transforms(maybe_jit):
     plain = lambda p: sum(jnp.sum(a**2) for a in jax.tree.leaves(jax.grad(case.loss)(p, x, y)))
     expected = jax.grad(plain)(case.params)
     grads = maybe_jit(vk.grad(penalty, hooks={"fc*": lambda rec: None}))(case.params)
-    jax.effects_barrier()
+    jax.block_until_ready(grads)
     _close(grads, expected, rtol=1e-4, atol=1e-6)
     assert sorted(inner) == sorted(["fc1", "fc2", case.root])  # once each, no double interception

@@ -23,7 +23,7 @@ def test_records_equal_hand_chained_vjps(maybe_jit):
     params, x, y = mlp_setup()
     records, hook = collector()
     grads = maybe_jit(vk.grad(mlp_loss, hooks={"fc*": hook}))(params, x, y)
-    jax.effects_barrier()
+    jax.block_until_ready(grads)
     assert [r.name for r in records] == BACKWARD
     reference = mlp_chain(params, x, y)
     for rec in records:
@@ -59,7 +59,7 @@ def test_observing_hooks_leave_gradients_unchanged(maybe_jit):
     params, x, y = mlp_setup()
     hooks = {"*": [lambda rec: None, vk.on_host(lambda rec: None)]}
     value, grads = maybe_jit(vk.value_and_grad(mlp_loss, hooks=hooks))(params, x, y)
-    jax.effects_barrier()
+    jax.block_until_ready((value, grads))
     v0, g0 = jax.value_and_grad(mlp_loss)(params, x, y)
     tree_allclose(value, v0, rtol=0, atol=0)
     tree_allclose(grads, g0, rtol=1e-6, atol=1e-7)
@@ -118,9 +118,8 @@ def test_on_host_order_and_count_under_jit_over_steps():
     params, x, y = mlp_setup()
     records, hook = collector()
     step = jax.jit(vk.grad(mlp_loss, hooks={"fc*": hook}))
-    for i in range(4):
-        step(params, x + i, y)
-    jax.effects_barrier()
+    outs = [step(params, x + i, y) for i in range(4)]
+    jax.block_until_ready(outs)
     assert [r.key for r in records] == BACKWARD * 4
     for i in range(4):  # each step's records belong to that step
         np.testing.assert_allclose(records[3 * i + 2].input, np.asarray(x + i))
@@ -137,7 +136,7 @@ def test_on_host_under_scan_fires_once_per_layer_per_step():
 
     xs = jnp.stack([x, 2 * x, 3 * x])
     final, _ = jax.jit(lambda p, xs: jax.lax.scan(body, p, xs))(params, xs)
-    jax.effects_barrier()
+    jax.block_until_ready(final)
     assert [r.key for r in records] == BACKWARD * 3
     # reference: the same three SGD steps with jax.grad
     p = params
@@ -153,7 +152,7 @@ def test_on_host_under_vmap_is_per_example():
     per_example = lambda p, xi, yi: mlp_loss(p, xi[None], yi[None])
     g = jax.jit(jax.vmap(vk.grad(per_example, hooks={"fc*": hook}), in_axes=(None, 0, 0)))
     grads = g(params, x, y)
-    jax.effects_barrier()
+    jax.block_until_ready(grads)
     assert len(records) == 3 * 4
     for name in BACKWARD:
         mine = [r for r in records if r.name == name]
@@ -168,10 +167,9 @@ def test_on_host_every_n():
     records, _ = collector()
     hook = vk.on_host(records.append, every=3)
     step = jax.jit(vk.grad(mlp_loss, hooks={"fc1": hook}))
-    for i in range(7):
-        step(params, x + i, y)
-    jax.effects_barrier()
-    assert len(records) == 3  # steps 0, 3, 6
+    outs = [step(params, x + i, y) for i in range(7)]
+    jax.block_until_ready(outs)
+    assert len(records) == 3  # backward passes 0, 3, 6 (one fc1 call each)
     np.testing.assert_allclose(records[1].input, np.asarray(x + 3))
 
 
@@ -180,7 +178,7 @@ def test_weight_sharing_records_per_call(maybe_jit):
     records, hook = collector()
     twice = lambda p, x: mlp.apply(p, jnp.tanh(mlp.apply(p, x)) @ jnp.ones((2, 3))).sum()
     grads = maybe_jit(vk.grad(twice, hooks={"fc*": hook}))(params, x)
-    jax.effects_barrier()
+    jax.block_until_ready(grads)
     assert [r.key for r in records] == ["fc3#1", "fc2#1", "fc1#1", "fc3", "fc2", "fc1"]
     summed = {
         name: jax.tree.map(lambda a, b: a + b, *[r.grad_params for r in records if r.name == name])
@@ -210,10 +208,7 @@ def test_hooks_belong_to_the_transformed_function():
     second, hook2 = collector()
     g1 = jax.jit(vk.grad(mlp_loss, hooks={"fc1": hook1}))
     g2 = jax.jit(vk.grad(mlp_loss, hooks={"fc3": hook2}))
-    g1(params, x, y)
-    g2(params, x, y)
-    g1(params, x, y)
-    jax.effects_barrier()
+    jax.block_until_ready([g1(params, x, y), g2(params, x, y), g1(params, x, y)])
     assert [r.name for r in first] == ["fc1", "fc1"]
     assert [r.name for r in second] == ["fc3"]
     # outside any vjpkit transform, the model is a plain function again
@@ -224,7 +219,7 @@ def test_grad_input_none_for_data_but_computed_when_asked():
     params, x, y = mlp_setup()
     records, hook = collector()
     gx = vk.grad(mlp_loss, argnums=1, hooks={"fc1": hook})(params, x, y)
-    jax.effects_barrier()
+    jax.block_until_ready(gx)
     (rec,) = records
     assert rec.grad_params is None  # params were not differentiated
     tree_allclose(rec.grad_input, np.asarray(gx))

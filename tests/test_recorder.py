@@ -182,7 +182,7 @@ def test_host_delivery_counts_steps():
     spec = vk.capture("fc*", fields=["grad_output"], reduce="norm", host=vk.on_host(recorder.update_host))
     g = jax.jit(vk.value_and_grad(mlp_loss, capture=spec))
     captured = [g(params, x * (1.0 + t), y)[1] for t in range(3)]
-    jax.effects_barrier()
+    jax.block_until_ready(captured)
     steps, values = recorder.series("fc2", "grad_output")
     np.testing.assert_array_equal(steps, [0, 1, 2])
     np.testing.assert_allclose(values, [float(c["fc2"].grad_output) for c in captured], rtol=1e-6)
@@ -192,8 +192,9 @@ def test_host_delivery_counts_steps():
     g = jax.jit(vk.value_and_grad(mlp_loss, capture=spec))
     state = vk.init_hook_state(g, params, x, y)
     for _ in range(5):
-        _, _, state = g(params, x, y, hook_state=state)
-    jax.effects_barrier()
+        out = g(params, x, y, hook_state=state)
+        state = out[-1]
+    jax.block_until_ready(out)  # each step uses the previous one's state: the last waits for all
     np.testing.assert_array_equal(every2.series("fc1", "grad_output")[0], [0, 2, 4])
 
 

@@ -79,8 +79,7 @@ def test_scan_host_hooks_fire_per_iteration_in_backward_order(maybe_jit):
     grads, _ = _per_iteration()
     seen = []
     g = vk.grad(scan_loss, hooks={"cell": vk.on_host(lambda rec: seen.append(rec.grad_params["w"]))})
-    maybe_jit(g)(W, H0)
-    jax.effects_barrier()
+    jax.block_until_ready(maybe_jit(g)(W, H0))
     assert len(seen) == STEPS
     for got, ref in zip(seen, reversed(grads)):  # backward order: last iteration first
         np.testing.assert_allclose(got, ref["w"], rtol=1e-5, atol=1e-6)
@@ -144,7 +143,7 @@ def test_cond_only_the_taken_branch_records(maybe_jit, pred):
     spec = vk.capture("*", fields=["grad_params"], reduce="norm")
     hooks = {"*": vk.on_host(lambda rec: seen.append(rec.name))}
     g, captured = maybe_jit(vk.grad(cond_loss, capture=spec, hooks=hooks))(P2, H0, pred)
-    jax.effects_barrier()
+    jax.block_until_ready((g, captured))
     ref = jax.grad(cond_loss)(P2, H0, pred)
     tree_allclose(g, ref, rtol=1e-5)
     taken, other = ("a", "b") if pred else ("b", "a")
@@ -209,7 +208,7 @@ def test_wrapped_blocks_keep_full_names(maybe_jit, wrap):
     seen = []
     hooks = {"blk/fc": vk.on_host(lambda rec: seen.append(rec.key)), "fc": lambda rec: None}
     g, captured = maybe_jit(vk.grad(loss, hooks=hooks, capture="*"))(params, H0)
-    jax.effects_barrier()
+    jax.block_until_ready((g, captured))
     assert sorted(seen) == ["blk/fc", "blk/fc#1"]  # the "fc" glob does not reach blk/fc
     names = {"blk", "blk/fc", "blk/act", "fc"}
     assert set(captured) == names | {f"{n}#1" for n in names}
@@ -286,7 +285,7 @@ def test_nested_hooked_transforms_run_both_levels(maybe_jit):
 
     outer = vk.grad(penalty, hooks={"fc*": vk.on_host(lambda r: seen.append(("outer", r.key)))})
     got = maybe_jit(outer)(params, H0)
-    jax.effects_barrier()
+    jax.block_until_ready(got)
     tree_allclose(got, jax.grad(plain)(params, H0), rtol=1e-5, atol=1e-6)
     assert [k for lvl, k in seen if lvl == "inner"] == ["fc2", "fc1"]
     assert sorted(k for lvl, k in seen if lvl == "outer") == ["fc1", "fc1#1", "fc2", "fc2#1"]
@@ -382,8 +381,7 @@ def test_same_configuration_reuses_traces_and_others_never_replay():
     tree_allclose(jax.grad(loss)(W, H0), hooked(W, H0)[0], rtol=1e-6)
     assert len(traces) == 2  # the plain trace is its own: no layer marks in plain JAX
     seen = []
-    vk.grad(loss, hooks={"cell": vk.on_host(lambda rec: seen.append(rec.key))})(W, H0)
-    jax.effects_barrier()
+    jax.block_until_ready(vk.grad(loss, hooks={"cell": vk.on_host(lambda rec: seen.append(rec.key))})(W, H0))
     assert seen == ["cell"]
 
 

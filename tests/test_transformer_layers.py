@@ -386,7 +386,6 @@ def test_attention_in_serial_names_and_hooks(maybe_jit):
     records = []
     grads = maybe_jit(vk.grad(loss, hooks={"attn/q": vk.on_host(records.append)}))(params, x)
     jax.block_until_ready(grads)
-    jax.effects_barrier()
     assert [r.key for r in records] == ["attn/q"]
     (rec,) = records
     tree_allclose(rec.params, params["attn"]["q"], rtol=0, atol=0)

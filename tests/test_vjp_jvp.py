@@ -81,7 +81,7 @@ def test_vjp_hook_records_match_hand_chained_vjps(maybe_jit):
         return pullback(seed)
 
     (grads,) = maybe_jit(run)(params, x, chain["fc3"]["grad_output"])
-    jax.effects_barrier()
+    jax.block_until_ready(grads)
     assert [rec.key for rec in seen] == ["fc3", "fc2", "fc1"]
     for rec in seen:
         ref = chain[rec.name]
@@ -102,8 +102,9 @@ def test_vjp_pullback_keeps_hooks_when_called_later_and_under_jit():
     ref_params, ref_x = jax.vjp(plain_apply, params, x)[1](seed)
     expected = (jax.tree.map(lambda g: 2 * g, ref_params), ref_x)
     tree_allclose(pullback(seed), expected)
-    tree_allclose(jax.jit(lambda pb, s: pb(s))(pullback, seed), expected)  # a pullback is a pytree
-    jax.effects_barrier()
+    jitted = jax.jit(lambda pb, s: pb(s))(pullback, seed)  # a pullback is a pytree
+    jax.block_until_ready(jitted)
+    tree_allclose(jitted, expected)
     assert [rec.key for rec in seen] == ["fc3", "fc2", "fc1"] * 2
 
 
@@ -471,8 +472,9 @@ def test_hvp_through_hooked_layers(maybe_jit):
         return vk.hvp(scalar_loss, (params, x), tp, hooks={"fc*": hooks})
 
     ref = jax.jvp(lambda p: jax.grad(plain_scalar_loss)(p, x), (params,), (tp,))[1]
-    tree_allclose(maybe_jit(run)(params, x, tp), ref)
-    jax.effects_barrier()
+    hv = maybe_jit(run)(params, x, tp)
+    jax.block_until_ready(hv)
+    tree_allclose(hv, ref)
     assert [rec.key for rec in seen] == ["fc3", "fc2", "fc1"]
     # a hook that doubles every grad_params doubles the gradient, hence H @ v
     doubled = vk.hvp(scalar_loss, (params, x), tp, hooks={"fc*": double_grad_params})
@@ -502,8 +504,10 @@ def test_jacobian_hooks_fire_once_per_row_or_column(mode):
     params, x, _ = mlp_setup(batch=2)
     seen = []
     jac = vk.jacobian(apply, argnums=1, mode=mode, hooks={"fc*": vk.on_host(seen.append)})
-    tree_allclose(jax.jit(jac)(params, x), jax.jacfwd(plain_apply, argnums=1)(params, x))
-    jax.effects_barrier()
+    out = jax.jit(jac)(params, x)
+    jax.block_until_ready(out)  # mode="rev": the host functions have run once out is ready
+    jax.effects_barrier()  # mode="fwd": tangent hooks are ordered effects
+    tree_allclose(out, jax.jacfwd(plain_apply, argnums=1)(params, x))
     record_type = vk.Cotangents if mode == "rev" else vk.Tangents
     assert all(isinstance(rec, record_type) for rec in seen)
     # vmapped products: one record per layer per row of J (rev, 2*2 outputs) or column (fwd, 2*3 inputs)
