@@ -136,7 +136,7 @@ def bench_fit(key: str, rounds: int, window: int) -> dict:
     cfg = fit_bench.setup(key)
     spec = vk.capture("*", fields=["grad_output", "grad_input", "grad_params"], reduce="norm")
     delivered = []
-    keep = lambda step, captured: delivered.append(step)  # noqa: E731  (the host keeps the step)
+    keep = lambda step, captured: delivered.append(step)
     variants = {
         FIT_ROWS[0]: lambda: run_fit(cfg, window, None, None),
         FIT_ROWS[1]: lambda: run_fit(cfg, window, spec, None),
@@ -162,11 +162,17 @@ def bench_fit(key: str, rounds: int, window: int) -> dict:
 
 def targets(hooks: dict, fits: list) -> list:
     out = [
-        {"target": f"on_host on all 5 layers / bare step <= {TARGET_HOOKS}", "value": hooks[HOOK_ROWS[1]]["ratio"],
-         "limit": TARGET_HOOKS},
-        {"target": f"on_host(every=100), hook_state threaded / bare step <= {TARGET_EVERY}",
-         "value": hooks[HOOK_ROWS[2]]["ratio"], "limit": TARGET_EVERY},
-    ]  # fmt: skip
+        {
+            "target": f"on_host on all 5 layers / bare step <= {TARGET_HOOKS}",
+            "value": hooks[HOOK_ROWS[1]]["ratio"],
+            "limit": TARGET_HOOKS,
+        },
+        {
+            "target": f"on_host(every=100), hook_state threaded / bare step <= {TARGET_EVERY}",
+            "value": hooks[HOOK_ROWS[2]]["ratio"],
+            "limit": TARGET_EVERY,
+        },
+    ]
     for res in fits:
         out.append(
             {
@@ -180,11 +186,12 @@ def targets(hooks: dict, fits: list) -> list:
     return out
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, models=tuple(MODELS)) -> dict:
+    """Both comparisons; ``fit`` on the benchmark ``models`` (keys of ``models.MODELS``)."""
     rounds, block = (3, 20) if quick else (15, 300)
     hooks = bench_hooks(rounds, block)
     fits = []
-    for key in MODELS:
+    for key in models:
         window = fit_bench.QUICK_WINDOW if quick else fit_bench.WINDOW[key]
         fits.append(bench_fit(key, 2 if quick else 7, window))
     return {"hooks": hooks, "fit": fits, "targets": targets(hooks, fits), "quick": quick}

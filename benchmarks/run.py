@@ -37,7 +37,6 @@ import optax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import eager_bench
-import host_bench
 import peers
 from models import EXTRA_RAW, MODELS, data, loss_of
 
@@ -392,7 +391,11 @@ def main(argv=None):
             torch_client.close()
     pex = None if args.no_per_example else per_example(args.quick)
     eager = eager_bench.run(args.quick)
-    host = None if args.no_host else host_bench.run(args.quick)
+    host = None
+    if not args.no_host:
+        import host_bench  # here: it imports fit_bench, which imports this module
+
+        host = host_bench.run(args.quick, keys)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
