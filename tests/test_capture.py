@@ -149,6 +149,33 @@ def test_reductions_of_a_conv_net_match_numpy(maybe_jit):
                         )
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_reductions_of_low_precision_leaves_are_float32(maybe_jit, dtype):
+    """A bfloat16 / float16 leaf is reduced in float32: equal to numpy's on its float32 values
+    (under jit too, where XLA may keep the float32 values a leaf was rounded from)."""
+    w = jax.random.normal(jax.random.key(5), (6, 4)).astype(dtype)
+    x = jax.random.normal(jax.random.key(6), (3, 6)).astype(dtype)
+    layer = vk.nn.layer(lambda p, x: x @ p["w"], name="mm")
+    loss = lambda p, x: jnp.sum(layer.apply(p, x).astype(jnp.float32) ** 2)
+    spec = vk.capture("mm", fields=["input", "output", "grad_output", "grad_params"], reduce=list(REDUCERS))
+    _, captured = maybe_jit(vk.grad(loss, capture=spec))({"w": w}, x)
+    rec = captured["mm"]
+    out, pullback = jax.vjp(lambda w: x @ w, w)
+    grad_out = jax.grad(lambda o: jnp.sum(o.astype(jnp.float32) ** 2))(out)
+    (grad_w,) = pullback(grad_out)
+    assert grad_out.dtype == grad_w.dtype == dtype
+    for got, ref in (
+        (rec.input, x),
+        (rec.output, out),
+        (rec.grad_output, grad_out),
+        (rec.grad_params["w"], grad_w),
+    ):
+        ref = np.asarray(ref.astype(jnp.float32))
+        for name, fn in REDUCERS.items():
+            assert got[name].dtype == jnp.float32
+            np.testing.assert_allclose(got[name], fn(ref), rtol=2e-5, atol=1e-7, err_msg=name)
+
+
 def test_histogram_and_nonfinite_counts(maybe_jit):
     params, x, y = mlp_setup(batch=32)
     hist = vk.histogram(8, (-0.05, 0.05))

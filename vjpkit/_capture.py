@@ -15,11 +15,21 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ._errors import ConfigError
 from ._records import Cotangents
 
 FIELDS = ("params", "input", "output", "grad_output", "grad_input", "grad_params")
+
+
+def _stored(x):
+    """``x`` as stored: a float leaf narrower than float32 passes an optimization barrier, or
+    XLA could feed a reduction the float32 values the leaf was rounded from (excess
+    precision), and the statistic would not be the leaf's."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        return lax.optimization_barrier(x)
+    return x
 
 
 def _flat32(x):
@@ -32,7 +42,7 @@ def _flat32(x):
     the reshape is free whichever shape the producer wrote, and equal arrays seen through
     different shapes (a flatten layer's ``grad_input`` and ``grad_output``) reduce once.
     """
-    return x.astype(jnp.float32).ravel()
+    return _stored(x).astype(jnp.float32).ravel()
 
 
 def _norm(x: jax.Array) -> jax.Array:
@@ -49,7 +59,7 @@ REDUCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "var": lambda x: jnp.var(_flat32(x)),
     "min": lambda x: jnp.min(_flat32(x)),
     "max": lambda x: jnp.max(_flat32(x)),
-    "nonfinite_count": lambda x: jnp.sum(~jnp.isfinite(x.ravel())).astype(jnp.float32),
+    "nonfinite_count": lambda x: jnp.sum(~jnp.isfinite(_stored(x).ravel())).astype(jnp.float32),
 }
 
 
