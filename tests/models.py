@@ -28,6 +28,20 @@ def dense_fn(p, x):
     return x @ p["weight"] + p["bias"]
 
 
+def conv_fn(p, x):
+    """``nn.conv2d``'s computation (stride 1, SAME, NHWC / HWIO) in plain lax."""
+    y = jax.lax.conv_general_dilated(
+        x, p["weight"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return y + p["bias"]
+
+
+def max_pool_fn(x):
+    """``nn.max_pool(2)``'s computation in plain jnp: 2x2 windows, stride 2, VALID."""
+    b, h, w, c = x.shape
+    return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
+
+
 def mlp_chain(params, x, y):
     """Hand-chained forward pass and vjps of ``mlp_loss``: the reference records.
 

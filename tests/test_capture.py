@@ -9,7 +9,7 @@ import pytest
 
 import vjpkit as vk
 from tests.helpers import tree_allclose
-from tests.models import dense_fn, mlp, mlp_chain, mlp_loss, mlp_setup
+from tests.models import conv_fn, dense_fn, max_pool_fn, mlp, mlp_chain, mlp_loss, mlp_setup
 
 FIELDS = ("input", "output", "grad_output", "grad_input", "grad_params")
 
@@ -81,6 +81,99 @@ def test_reductions_match_numpy(maybe_jit):
                     np.testing.assert_allclose(
                         got[name], fn(np.asarray(ref)), rtol=2e-5, atol=1e-8, err_msg=name
                     )
+
+
+def test_reductions_of_a_conv_net_match_numpy(maybe_jit):
+    """Every reduction of every field of a conv / ReLU / max-pool / flatten / dense net equals
+    numpy's on the hand-chained ``jax.vjp`` cotangents. The reductions read each leaf flattened;
+    a max-pool's ``grad_input`` is computed in the pool's window shape, and a ReLU's
+    ``grad_input`` is the conv's ``grad_output``, so these are the cases the formulation is for."""
+    model = vk.nn.serial(
+        conv=vk.nn.conv2d(4, 3),
+        relu=vk.nn.relu(),
+        pool=vk.nn.max_pool(2),
+        flat=vk.nn.flatten(),
+        fc=vk.nn.dense(3),
+    )
+    kx, ky = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (5, 8, 8, 2))
+    y = jax.random.randint(ky, (5,), 0, 3)
+    params = model.init(jax.random.key(4), x)
+
+    def head(logits):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    loss = lambda p, x: head(model.apply(p, x))
+    h = conv_fn(params["conv"], x)
+    a = jax.nn.relu(h)
+    m = max_pool_fn(a)
+    f = m.reshape(5, -1)
+    g_logits = jax.grad(head)(dense_fn(params["fc"], f))
+    g_fc, g_f = jax.vjp(dense_fn, params["fc"], f)[1](g_logits)
+    g_m = g_f.reshape(m.shape)
+    (g_a,) = jax.vjp(max_pool_fn, a)[1](g_m)
+    (g_h,) = jax.vjp(jax.nn.relu, h)[1](g_a)
+    g_conv, _ = jax.vjp(conv_fn, params["conv"], x)[1](g_h)
+    reference = {
+        "conv": dict(grad_output=g_h, grad_input=None, grad_params=g_conv),
+        "relu": dict(grad_output=g_a, grad_input=g_h, grad_params={}),
+        "pool": dict(grad_output=g_m, grad_input=g_a, grad_params={}),
+        "flat": dict(grad_output=g_f, grad_input=g_m, grad_params={}),
+        "fc": dict(grad_output=g_logits, grad_input=g_f, grad_params=g_fc),
+    }
+    fields = ["grad_output", "grad_input", "grad_params"]
+    for reduce in ("norm", list(REDUCERS)):
+        spec = vk.capture("*", fields=fields, reduce=reduce)
+        grads, captured = maybe_jit(vk.grad(loss, capture=spec))(params, x)
+        tree_allclose(grads, jax.grad(loss)(params, x), rtol=1e-5, atol=1e-7)
+        assert sorted(captured) == sorted(reference)
+        for key, ref in reference.items():
+            for field in fields:
+                got = getattr(captured[key], field)
+                if ref[field] is None:
+                    assert got is None, (key, field)
+                    continue
+                ref_leaves = jax.tree.leaves(ref[field])
+                got_leaves = jax.tree.leaves(got, is_leaf=lambda d: isinstance(d, dict) and "norm" in d)
+                assert len(ref_leaves) == len(got_leaves), (key, field)
+                for r, g in zip(ref_leaves, got_leaves):
+                    g = g if isinstance(g, dict) else {"norm": g}
+                    for name, value in g.items():
+                        assert value.dtype == jnp.float32 and value.shape == ()
+                        np.testing.assert_allclose(
+                            value,
+                            REDUCERS[name](np.asarray(r)),
+                            rtol=2e-5,
+                            atol=1e-7,
+                            err_msg=f"{key}.{field}.{name}",
+                        )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_reductions_of_low_precision_leaves_are_float32(maybe_jit, dtype):
+    """A bfloat16 / float16 leaf is reduced in float32: equal to numpy's on its float32 values
+    (under jit too, where XLA may keep the float32 values a leaf was rounded from)."""
+    w = jax.random.normal(jax.random.key(5), (6, 4)).astype(dtype)
+    x = jax.random.normal(jax.random.key(6), (3, 6)).astype(dtype)
+    layer = vk.nn.layer(lambda p, x: x @ p["w"], name="mm")
+    loss = lambda p, x: jnp.sum(layer.apply(p, x).astype(jnp.float32) ** 2)
+    spec = vk.capture("mm", fields=["input", "output", "grad_output", "grad_params"], reduce=list(REDUCERS))
+    _, captured = maybe_jit(vk.grad(loss, capture=spec))({"w": w}, x)
+    rec = captured["mm"]
+    out, pullback = jax.vjp(lambda w: x @ w, w)
+    grad_out = jax.grad(lambda o: jnp.sum(o.astype(jnp.float32) ** 2))(out)
+    (grad_w,) = pullback(grad_out)
+    assert grad_out.dtype == grad_w.dtype == dtype
+    for got, ref in (
+        (rec.input, x),
+        (rec.output, out),
+        (rec.grad_output, grad_out),
+        (rec.grad_params["w"], grad_w),
+    ):
+        ref = np.asarray(ref.astype(jnp.float32))
+        for name, fn in REDUCERS.items():
+            assert got[name].dtype == jnp.float32
+            np.testing.assert_allclose(got[name], fn(ref), rtol=2e-5, atol=1e-7, err_msg=name)
 
 
 def test_histogram_and_nonfinite_counts(maybe_jit):

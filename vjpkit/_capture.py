@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from ._errors import ConfigError
 from ._records import Cotangents
@@ -22,17 +23,43 @@ from ._records import Cotangents
 FIELDS = ("params", "input", "output", "grad_output", "grad_input", "grad_params")
 
 
-def _f32(x):
-    return x.astype(jnp.float32)
+def _stored(x):
+    """``x`` as stored: a float leaf narrower than float32 passes an optimization barrier, or
+    XLA could feed a reduction the float32 values the leaf was rounded from (excess
+    precision), and the statistic would not be the leaf's."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        return lax.optimization_barrier(x)
+    return x
+
+
+def _flat32(x):
+    """``x`` as a flat float32 vector.
+
+    Every reduction reads its leaf flattened. A reduction over the leaf's own shape made
+    XLA:CPU write some cotangents twice: a max-pool's ``grad_input`` is computed in the pool's
+    window shape ``(b, h/2, 2, w/2, 2, c)``, and a sum over its ``(b, h, w, c)`` view got its
+    own copy of the pool's backward instead of reading the array the ReLU below reads. Flat,
+    the reshape is free whichever shape the producer wrote, and equal arrays seen through
+    different shapes (a flatten layer's ``grad_input`` and ``grad_output``) reduce once.
+    """
+    return _stored(x).astype(jnp.float32).ravel()
+
+
+def _norm(x: jax.Array) -> jax.Array:
+    # |x| only for complex leaves: for real ones x * x is already |x|^2, bit for bit, and an
+    # abs in front of the square kept XLA:CPU from sharing the producer (measured, CNN).
+    if jnp.iscomplexobj(x):
+        x = jnp.abs(x)
+    return jnp.sqrt(jnp.sum(jnp.square(_flat32(x))))
 
 
 REDUCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "norm": lambda x: jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x).astype(jnp.float32)))),
-    "mean": lambda x: jnp.mean(_f32(x)),
-    "var": lambda x: jnp.var(_f32(x)),
-    "min": lambda x: jnp.min(_f32(x)),
-    "max": lambda x: jnp.max(_f32(x)),
-    "nonfinite_count": lambda x: jnp.sum(~jnp.isfinite(x)).astype(jnp.float32),
+    "norm": _norm,
+    "mean": lambda x: jnp.mean(_flat32(x)),
+    "var": lambda x: jnp.var(_flat32(x)),
+    "min": lambda x: jnp.min(_flat32(x)),
+    "max": lambda x: jnp.max(_flat32(x)),
+    "nonfinite_count": lambda x: jnp.sum(~jnp.isfinite(_stored(x).ravel())).astype(jnp.float32),
 }
 
 
@@ -55,7 +82,7 @@ class histogram(NamedTuple):  # noqa: N801  (used like a reduction name)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         lo, hi = self.range
-        x = _f32(x).ravel()
+        x = _flat32(x)
         index = jnp.clip(jnp.floor((x - lo) / (hi - lo) * self.bins), 0, self.bins - 1).astype(jnp.int32)
         weights = jnp.isfinite(x).astype(jnp.float32)
         return jnp.zeros((self.bins,), jnp.float32).at[index].add(weights)
