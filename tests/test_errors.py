@@ -169,3 +169,14 @@ def test_dropout_deterministic_must_be_static():
         jax.jit(drop.apply)({}, x, deterministic=True)
     out = jax.jit(drop.apply, static_argnames="deterministic")({}, x, deterministic=True)
     assert jnp.array_equal(out, x)
+
+
+def test_differentiating_an_integer_argument_names_its_path_and_dtype():
+    """With hooks (vjpkit's engine); without any, vk.grad is jax.grad and JAX's own check speaks."""
+    hooks = {"fc*": lambda rec: None}
+    params, x, y = mlp_setup()
+    with pytest.raises(vk.ConfigError, match=r"vk\.grad: args\[1\], path \(root\), has dtype int32.*argnums"):
+        vk.grad(mlp_loss, argnums=(0, 1), hooks=hooks)(params, x.astype(jnp.int32), y)
+    nested = {"p": params, "n": jnp.ones(3, jnp.int32)}
+    with pytest.raises(vk.ConfigError, match=r"args\[0\], path \['n'\], has dtype int32"):
+        vk.grad(lambda t, x, y: mlp_loss(t["p"], x, y), hooks=hooks)(nested, x, y)
