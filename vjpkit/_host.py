@@ -87,21 +87,27 @@ def gate(live: jax.Array):
         stack.pop()
 
 
-def transfer(fn: Callable[[Any], None], tree: Any, after: jax.Array | None = None) -> jax.Array:
+def transfer(
+    fn: Callable[[Any], None], tree: Any, after: jax.Array | None = None, when: jax.Array | None = None
+) -> jax.Array:
     """Calls ``fn(tree with numpy arrays)`` on the host, once; returns a float32 zero token.
 
-    One ``jax.pure_callback`` with one operand per dtype (``_pack``). It carries no JAX effect,
+    One ``_callback.host_call`` with one operand per dtype (``_pack``). It carries no JAX effect,
     so it runs only if the token is used: pass it to ``tie`` (or as ``after`` of the next
-    transfer, which then runs after this one). Under ``vmap`` it runs once per example.
+    transfer, which then runs after this one). Under ``vmap`` it runs once per example. With
+    ``when`` (a traced bool), or inside ``gate``, it runs only where they are true; a skipped
+    transfer moves nothing and returns ``after``'s token.
     """
     stack = _gates.__dict__.get("stack")
     if stack:
-        live = stack.pop()  # the gated transfer below is made outside the gate
-        try:
-            skip = lambda tree, after: jnp.zeros((), jnp.float32) if after is None else after
-            return jax.lax.cond(live, lambda tree, after: transfer(fn, tree, after), skip, tree, after)
-        finally:
-            stack.append(live)
+        when = stack[-1] if when is None else stack[-1] & when
+    if when is None:
+        return _send(fn, tree, after)
+    skip = lambda tree, after: jnp.zeros((), jnp.float32) if after is None else after
+    return jax.lax.cond(when, functools.partial(_send, fn), skip, tree, after)
+
+
+def _send(fn: Callable[[Any], None], tree: Any, after: jax.Array | None) -> jax.Array:
     buffers, unpack = _pack(jax.lax.stop_gradient(tree))
     if not any(isinstance(b, jax.core.Tracer) for b in buffers):  # an eager call: run it here
         fn(unpack(buffers))
@@ -148,12 +154,11 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
         The transfer's token.
     """
     gated = list(due)
+    hooks_all = list({h: None for _, per_call in order for hooks in per_call for h in hooks})
 
     def deliver(tree):
         calls, flags = iter(tree[0]), dict(zip(gated, tree[1]))
-        passes = {}
-        for hook in {h: None for _, per_call in order for hooks in per_call for h in hooks}:
-            passes[hook] = bool(flags[hook]) if hook in flags else hook._count_pass()
+        passes = {h: bool(flags[h]) if h in flags else h._count_pass() for h in hooks_all}
         for lengths, hooks_per_call in order:
             group = [(hooks, next(calls)) for hooks in hooks_per_call]
             for index in reversed(list(np.ndindex(*lengths))):  # last iteration first
@@ -164,12 +169,9 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
                                 hook._deliver(jax.tree.map(lambda a, i=index: a[i], rec) if index else rec)
 
     flags = [jnp.asarray(due[h], jnp.float32) for h in gated]  # float32 like the records: one buffer
-    if gated and len(gated) == len({h for _, per_call in order for hooks in per_call for h in hooks}):
-        # every hook skips steps: nothing at all crosses to the host on a step where none is due
-        skip = lambda tree, after: jnp.zeros((), jnp.float32) if after is None else after
-        send = lambda tree, after: transfer(deliver, tree, after)
-        return jax.lax.cond(jnp.any(jnp.stack(flags) > 0), send, skip, (payload, flags), after)
-    return transfer(deliver, (payload, flags), after)
+    # when every hook skips steps, nothing at all crosses to the host on a step where none is due
+    when = jnp.any(jnp.stack(flags) > 0) if gated and len(gated) == len(hooks_all) else None
+    return transfer(deliver, (payload, flags), after, when)
 
 
 class on_host:  # noqa: N801  (a hook factory, used like a function)
@@ -222,10 +224,7 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
             if due is not None or self._count_pass():
                 self._run(tree, where)
 
-        if due is None:
-            return transfer(deliver, captured, after)
-        skip = lambda c, after: jnp.zeros((), jnp.float32) if after is None else after
-        return jax.lax.cond(due, lambda c, after: transfer(deliver, c, after), skip, captured, after)
+        return transfer(deliver, captured, after, due)
 
     def _count_pass(self) -> bool:
         """Counts one backward pass on the host; whether ``fn`` sees this one."""
