@@ -71,7 +71,8 @@ def optimizer() -> optax.GradientTransformation:
     return optax.sgd(0.01, momentum=0.9)
 
 
-def run_fit(cfg: dict, window: int, scan_steps: int) -> dict:
+def run_fit(cfg: dict, window: int, scan_steps: int = 1, capture=None, on_records=None) -> dict:
+    """One ``fit`` run of ``2 * window`` steps; ``step`` is the second window's time per step."""
     loss = cfg["loss"]
     start = time.perf_counter()
     state, history = vk.train.fit(
@@ -82,7 +83,8 @@ def run_fit(cfg: dict, window: int, scan_steps: int) -> dict:
         batch_size=cfg["batch"],
         steps=2 * window,
         hooks=None,
-        capture=None,
+        capture=capture,
+        on_records=on_records,
         progress=False,
         scan_steps=scan_steps,
         seed=cfg["seed"],

@@ -112,35 +112,15 @@ def summarize(times: dict, base: str) -> dict:
     }
 
 
-def run_fit(cfg: dict, window: int, capture, on_records) -> float:
-    loss = cfg["loss"]
-    state, history = vk.train.fit(
-        lambda params, batch: loss(params, *batch),
-        fit_bench.optimizer(),
-        cfg["params"],
-        (cfg["x"], cfg["y"]),
-        batch_size=cfg["batch"],
-        steps=2 * window,
-        capture=capture,
-        on_records=on_records,
-        progress=False,
-        seed=cfg["seed"],
-        eval_fn=lambda params: {"clock": time.perf_counter()},
-        eval_every=window,
-    )
-    clocks = [e["clock"] for e in history["eval"]]
-    return (clocks[1] - clocks[0]) / window
-
-
 def bench_fit(key: str, rounds: int, window: int) -> dict:
     cfg = fit_bench.setup(key)
     spec = vk.capture("*", fields=["grad_output", "grad_input", "grad_params"], reduce="norm")
     delivered = []
     keep = lambda step, captured: delivered.append(step)
     variants = {
-        FIT_ROWS[0]: lambda: run_fit(cfg, window, None, None),
-        FIT_ROWS[1]: lambda: run_fit(cfg, window, spec, None),
-        FIT_ROWS[2]: lambda: run_fit(cfg, window, spec, keep),
+        FIT_ROWS[0]: lambda: fit_bench.run_fit(cfg, window)["step"],
+        FIT_ROWS[1]: lambda: fit_bench.run_fit(cfg, window, capture=spec)["step"],
+        FIT_ROWS[2]: lambda: fit_bench.run_fit(cfg, window, capture=spec, on_records=keep)["step"],
     }
     times = {name: [] for name in variants}
     order = list(variants)
