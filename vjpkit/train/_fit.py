@@ -268,11 +268,10 @@ def _loop(
     # dropped as soon as its finite flag is known to be True, so what stays alive is what the
     # runtime holds anyway for steps still in flight, not the last log_every batches.
     keep_batches = nan_policy == "stop" and not isinstance(batches, ArrayBatches)
-    pending: list[list] = []  # [t0, k, metrics, stacked, batches or None]
+    pending: list[list] = []  # [t0, k, metrics, batches or None]
     last_eval: dict = {}
     stop: list[int] = []  # the first non-finite step under "stop", once seen
     outbox: collections.deque = collections.deque()  # [t0, k, records, finite, stacked]
-    halt: list[int] = []  # under "stop": the non-finite step, the last whose records are delivered
     in_callback = [False]  # on_records is running: an exception from it ends delivery
 
     def deliver(keep: int, check: bool = True) -> None:
@@ -282,23 +281,24 @@ def _loop(
             host, finite = jax.device_get((records, finite))
             finite = np.atleast_1d(finite)
             for i in range(k):
-                if halt or (stop and t0 + i > stop[0]):
+                if stop and t0 + i > stop[0]:  # after the non-finite step under "stop": none
                     outbox.clear()
                     return
                 in_callback[0] = True
                 on_records(t0 + i, unpack[0]([b[i] for b in host] if stacked else host))
                 in_callback[0] = False
-                if nan_policy == "stop" and not finite[i]:
-                    halt.append(t0 + i)
+                if nan_policy == "stop" and not finite[i]:  # the last step whose records go out
+                    outbox.clear()
                     if check:
                         flush()  # raises NonFiniteError for this step
+                    return
 
     def dispatch(stepper: Callable, batch: Any, k: int, stacked: bool, kept: Any) -> None:
         nonlocal state
         state, metrics = stepper(state, batch)
         if on_records is not None:
             outbox.append([t, k, metrics.pop("records"), metrics["finite"], stacked])
-        pending.append([t, k, metrics, stacked, kept])
+        pending.append([t, k, metrics, kept])
         if on_records is not None:
             deliver(keep=1)  # the previous dispatch's records, while the device runs this one
 
@@ -306,22 +306,22 @@ def _loop(
 
     def prune() -> None:
         for entry in pending:
-            if entry[4] is None:
+            if entry[3] is None:
                 continue
             finite = entry[2]["finite"]
             if not finite.is_ready():
                 return
             if bool(np.all(np.asarray(finite))):
-                entry[4] = None
+                entry[3] = None
             else:
                 return  # keep this one: it holds the first non-finite step's batch
 
     def flush() -> None:
         if not pending:
             return
-        fetched = jax.device_get([{k: m[k] for k in ("loss", "finite")} for _, _, m, _, _ in pending])
+        fetched = jax.device_get([{k: m[k] for k in ("loss", "finite")} for _, _, m, _ in pending])
         bad_batch = None
-        for (t0, k, _, _, kept), metrics in zip(pending, fetched):
+        for (t0, k, _, kept), metrics in zip(pending, fetched):
             losses = np.atleast_1d(metrics["loss"])
             finite = np.atleast_1d(metrics["finite"])
             for i in range(k):
