@@ -160,3 +160,12 @@ def test_both_transports_deliver_in_order_under_vmap_and_grad_of_grad(direct, mo
     ref = jax.grad(lambda p, b: optax.tree.norm(jax.grad(loss_fn)(p, b)))(PARAMS, data[3])
     tree_allclose(outer(PARAMS, data[3]), ref, rtol=1e-5)
     assert seen == [3]
+
+
+def test_hook_state_made_for_other_hooks_names_the_missing_counter():
+    """A threaded hook state without this hook's step counter is rejected, naming the hook and key."""
+    g = vk.grad(loss_fn, hooks={"fc": vk.on_host(lambda rec: None, every=3)})
+    spec = vk.capture("fc", fields=["input"], reduce="mean", host=vk.on_host(lambda c: None, every=2))
+    other = vk.init_hook_state(vk.grad(loss_fn, capture=spec), PARAMS, next(batches()))
+    with pytest.raises(vk.ConfigError, match=r"no step counter for on_host\(.*every=3\).*'on_host\[0\]'"):
+        g(PARAMS, next(batches()), hook_state=other)
