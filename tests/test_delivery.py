@@ -88,6 +88,36 @@ def test_every_record_once_in_order(kind, every, scan_steps):
         assert float(counter["count"]) == STEPS
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["mean", "whole-arrays"])
+def test_on_records_runs_during_the_run_with_bounded_pending_steps(whole, monkeypatch):
+    """``on_records`` is called between dispatches, not only at the end, and the records of at
+    most ``_outstanding`` steps wait on the device (fewer when each step's records are large)."""
+    from vjpkit.train import _fit
+
+    if whole:  # each step's record is fc's whole (4, 3) float32 input: allow 3 steps of them
+        monkeypatch.setattr(_fit, "_MAX_PENDING_BYTES", 3 * 4 * 3 * 4)
+    limit = 3 if whole else _fit._MAX_PENDING_STEPS
+    drawn, lags = [0], []
+
+    def data():
+        for batch in batches():
+            drawn[0] += 1
+            yield batch
+
+    def on_records(step, captured):
+        assert input_step(captured["fc"]) == step
+        lags.append(drawn[0] - step)  # batches handed to the loop, minus the delivered step
+
+    spec = vk.capture("fc", fields=["input"], reduce=None) if whole else INPUT_MEAN
+    vk.train.fit(
+        loss_fn, OPT, PARAMS, data(), capture=spec, on_records=on_records, log_every=10_000, progress=False
+    )
+    assert len(lags) == STEPS
+    # delivered while the loop runs: when step s arrives, at most `limit` + 2 batches were drawn
+    # after it (the loop draws a batch before it dispatches and delivers)
+    assert max(lags) <= limit + 2, max(lags)
+
+
 @pytest.mark.parametrize("kind, every", PATHS)
 def test_early_stop_delivers_up_to_the_nonfinite_step(kind, every):
     seen = []

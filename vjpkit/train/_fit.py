@@ -4,8 +4,11 @@ Contract: ``fit`` validates everything (optimizer, data, batch, mesh, loss, chec
 before anything is compiled, then runs ``steps`` steps of ``make_step``, ``scan_steps``
 per dispatch (``lax.scan``). Metrics stay on the device and are fetched every ``log_every``
 steps, so dispatch runs ahead of the host. Captured records leave each step as ONE packed
-output (``_host._pack``) and are fetched one dispatch behind: after dispatching step ``t``,
-``on_records`` gets step ``t - 1``'s records while the device computes step ``t``. Each
+output (``_host._pack``). Between dispatches, ``on_records`` gets the records of every step
+the device has finished, without waiting for it; the loop waits for records only when more
+than ``_outstanding`` steps' records are pending, and then once for half of them (waiting on
+the device every step made the host thread sleep and wake once per step, which slowed XLA:CPU's
+step by up to 30%, measured). Each
 dispatched step's records reach ``on_records`` exactly once, in step order, also at the end,
 before a checkpoint is saved, and when the loop stops on an exception (under
 ``nan_policy="stop"``: up to and including the non-finite step; nothing more after an
@@ -91,7 +94,8 @@ def fit(
         eval_fn: ``eval_fn(params) -> dict of numbers``, called every ``eval_every`` steps.
         eval_every: steps between evaluations (and at the end).
         on_records: ``on_records(step, captured)`` with numpy records, for every step, exactly
-            once and in order: fetched one dispatch behind, also at the end, before each
+            once and in order: between dispatches, as soon as the device has finished the
+            step (the loop does not wait for it), and all of them at the end, before each
             checkpoint and when the loop raises (``NonFiniteError``: up to the bad step).
         on_metrics: ``on_metrics(step, metrics)`` with a flat dict of floats: ``{"train/loss":
             ...}`` for every step and ``{"eval/<name>": ...}`` for every evaluation; for example
@@ -228,6 +232,14 @@ def _packing(step_fn: Callable, unpack: list) -> Callable:
 
 
 _REFRESH_SECONDS = 1.0  # the progress bar's loss and count are fetched at least this often
+_MAX_PENDING_STEPS = 32  # steps whose records may wait on the device before the loop waits
+_MAX_PENDING_BYTES = 64 << 20  # ... and their bytes (whole captured arrays are large)
+
+
+def _outstanding(records: list) -> int:
+    """How many steps' packed ``records`` may be pending before the loop waits for them."""
+    nbytes = sum(b.nbytes for b in records)
+    return max(2, min(_MAX_PENDING_STEPS, _MAX_PENDING_BYTES // max(nbytes, 1)))
 
 
 def _loop(
@@ -276,6 +288,8 @@ def _loop(
 
     def deliver(keep: int, check: bool = True) -> None:
         """Hands ``on_records`` the records of all but the newest ``keep`` dispatches, in order."""
+        if len(outbox) > keep:  # one wait, for the newest of them: the older ones are done by then
+            jax.block_until_ready(outbox[len(outbox) - keep - 1][2])
         while len(outbox) > keep:
             t0, k, records, finite, stacked = outbox.popleft()
             host, finite = jax.device_get((records, finite))
@@ -300,7 +314,13 @@ def _loop(
             outbox.append([t, k, metrics.pop("records"), metrics["finite"], stacked])
         pending.append([t, k, metrics, kept])
         if on_records is not None:
-            deliver(keep=1)  # the previous dispatch's records, while the device runs this one
+            ready = 0  # the finished dispatches: handed over now, with no wait
+            while ready < len(outbox) and all(b.is_ready() for b in outbox[ready][2]):
+                ready += 1
+            deliver(keep=len(outbox) - ready)
+            limit = _outstanding(outbox[-1][2]) if outbox else 0
+            if len(outbox) > limit:
+                deliver(keep=limit // 2)
 
     refreshed = [time.perf_counter()]
 
