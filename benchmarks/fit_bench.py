@@ -71,7 +71,9 @@ def optimizer() -> optax.GradientTransformation:
     return optax.sgd(0.01, momentum=0.9)
 
 
-def run_fit(cfg: dict, window: int, scan_steps: int = 1, capture=None, on_records=None) -> dict:
+def run_fit(
+    cfg: dict, window: int, scan_steps: int = 1, capture=None, on_records=None, nan_policy: str = "stop"
+) -> dict:
     """One ``fit`` run of ``2 * window`` steps; ``step`` is the second window's time per step."""
     loss = cfg["loss"]
     start = time.perf_counter()
@@ -87,6 +89,7 @@ def run_fit(cfg: dict, window: int, scan_steps: int = 1, capture=None, on_record
         on_records=on_records,
         progress=False,
         scan_steps=scan_steps,
+        nan_policy=nan_policy,
         seed=cfg["seed"],
         eval_fn=lambda params: {"clock": time.perf_counter()},
         eval_every=window,

@@ -60,7 +60,7 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     assert set(eager["median_ms"]) == {"vk.grad, hooks, eager", "jax.grad, eager"}
     host = data["host"]  # host_bench.py: it asserts itself that fit delivered every record once
     assert len(host["hooks"]) == 3 and [f["model"] for f in host["fit"]] == ["mlp_small"]
-    assert len(host["targets"]) == 3 and all(t["met"] in (True, False) for t in host["targets"])
+    assert len(host["targets"]) == 4 and all(t["met"] in (True, False) for t in host["targets"])
     assert "on_host(every=100)" in stdout and "fit with records every step" in stdout
     assert eager["ratio"] > 0 and eager["inner_jit_traces"] >= 1
     assert [t["met"] in (True, False) for t in eager["targets"]] == [True] * 3
