@@ -1,6 +1,6 @@
 """Every record reaches the host exactly once and in step order, for each delivery path.
 
-Paths: ``fit(on_records=...)`` (records as step outputs, fetched one dispatch behind, with and
+Paths: ``fit(on_records=...)`` (records as step outputs, handed over between dispatches, with and
 without ``scan_steps``), per-layer ``vk.on_host`` hooks in ``fit`` and in a user's jitted loop
 (``every=1`` and ``every=N`` decided in the graph), and capture host deliveries. Each over
 1,000 steps, on an early stop (``NonFiniteError``), on an exception from the data, and on a run
