@@ -96,7 +96,7 @@ def test_on_records_runs_during_the_run_with_bounded_pending_steps(whole, monkey
 
     if whole:  # each step's record is fc's whole (4, 3) float32 input: allow 3 steps of them
         monkeypatch.setattr(_fit, "_MAX_PENDING_BYTES", 3 * 4 * 3 * 4)
-    limit = 3 if whole else _fit._MAX_PENDING_STEPS
+    limit = 3 if whole else _fit._MAX_PENDING
     drawn, lags = [0], []
 
     def data():
