@@ -9,10 +9,13 @@ are medians of the per-round ratios, so slow drifts of the machine cancel out. I
 ``per_example_bench.py``'s comparison of per-example gradient norms (``--no-per-example``
 skips it), ``eager_bench.py``'s eager-call comparison (eager hooked ``vk.grad`` against eager
 ``jax.grad``, inner-jit traces, memory growth), and ``host_bench.py``'s host delivery (per-layer
-``vk.on_host`` hooks, ``every=100``, ``fit`` with ``on_records`` every step; ``--no-host`` skips it).
+``vk.on_host`` hooks, ``every=100``, ``fit`` with ``on_records`` every step; ``--no-host`` skips it),
+and ``quickstart_bench.py``'s peak memory of the quickstart with and without its hooks
+(``--no-quickstart`` skips it).
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
-[--compile-repeats 3] [--peers flax,equinox,torch] [--no-per-example] [--no-host] [--out PATH]``. What the
+[--compile-repeats 3] [--peers flax,equinox,torch] [--no-per-example] [--no-host]
+[--no-quickstart] [--out PATH]``. What the
 rows, columns and memory figures are: ``benchmarks/README.md``.
 """
 
@@ -38,6 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import eager_bench
 import peers
+import quickstart_bench
 from models import EXTRA_RAW, MODELS, data, loss_of
 
 import vjpkit as vk
@@ -365,6 +369,9 @@ def main(argv=None):
     )
     parser.add_argument("--no-per-example", action="store_true", help="skip the per-example-norms table")
     parser.add_argument("--no-host", action="store_true", help="skip host_bench.py's host-delivery tables")
+    parser.add_argument(
+        "--no-quickstart", action="store_true", help="skip quickstart_bench.py's memory comparison"
+    )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     args = parser.parse_args(argv)
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
@@ -396,6 +403,7 @@ def main(argv=None):
         import host_bench  # here: it imports fit_bench, which imports this module
 
         host = host_bench.run(args.quick, keys)
+    quick_mem = None if args.no_quickstart else quickstart_bench.run(args.quick)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -414,6 +422,7 @@ def main(argv=None):
         "wall_s": time.perf_counter() - start,
     }
     out = {"meta": meta, "results": results, "per_example": pex, "eager": eager, "host": host}
+    out["quickstart"] = quick_mem
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     v, busy = meta["versions"], meta["other_cpu_share"]
     print(
@@ -426,6 +435,8 @@ def main(argv=None):
     print(eager_bench.markdown(eager))
     if host is not None:
         print(host_bench.markdown(host))
+    if quick_mem is not None:
+        print(quickstart_bench.markdown(quick_mem))
     return out
 
 

@@ -8,7 +8,8 @@ script prints, so its memory stays that of the same script without hooks). At th
 script prints the test accuracy and what each cotangent of one step is, with its shape.
 
 Run: ``python examples/quickstart.py`` (``--steps N`` for a shorter run; ``--keep N`` to keep
-the last N steps' records). Needs only ``pip install -e .``.
+the last N steps' records; ``--no-hooks`` trains with plain ``jax.value_and_grad`` and prints
+no records, the baseline of ``benchmarks/quickstart_bench.py``). Needs only ``pip install -e .``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=int, default=1, help="records kept per layer (the last N steps)")
+    parser.add_argument("--no-hooks", action="store_true", help="plain jax.value_and_grad: the baseline")
     args = parser.parse_args(argv)
 
     key_data, key_init = jax.random.split(jax.random.key(args.seed))
@@ -75,7 +77,9 @@ def main(argv=None):
     # grad_dict[layer] holds the last --keep records, one per step, filled on the host during backward.
     grad_dict: dict[str, deque[vk.Cotangents]] = defaultdict(lambda: deque(maxlen=args.keep))
     collect = vk.on_host(lambda rec: grad_dict[rec.key].append(rec))
-    value_and_grad = vk.value_and_grad(loss_fn, hooks={"fc*": collect})
+    value_and_grad = (
+        jax.value_and_grad(loss_fn) if args.no_hooks else vk.value_and_grad(loss_fn, hooks={"fc*": collect})
+    )
 
     @jax.jit
     def step(params, opt_state, x, y):
@@ -95,6 +99,8 @@ def main(argv=None):
     predictions = jnp.argmax(model.apply(params, x_test), axis=-1)
     accuracy = float(jnp.mean(predictions == y_test))
     print(f"\nAccuracy of prediction on test dataset: {accuracy:.4f}")
+    if args.no_hooks:
+        return {"accuracy": accuracy, "grad_dict": {}, "params": params, "steps": args.steps}
 
     print(f"\nOne step's records (batch {args.batch_size}), in backward order:")
     last = [grad_dict[name][-1] for name in ("fc3", "fc2", "fc1")]

@@ -62,6 +62,10 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     assert len(host["hooks"]) == 3 and [f["model"] for f in host["fit"]] == ["mlp_small"]
     assert len(host["targets"]) == 4 and all(t["met"] in (True, False) for t in host["targets"])
     assert "on_host(every=100)" in stdout and "fit with records every step" in stdout
+    quick_mem = data["quickstart"]  # quickstart_bench.py: both children ran and were measured
+    assert all(row["peak_mb"] > 0 and row["seconds"] > 0 for row in quick_mem["rows"].values())
+    assert [t["met"] in (True, False) for t in quick_mem["targets"]] == [True]
+    assert "quickstart peak memory" in stdout
     assert eager["ratio"] > 0 and eager["inner_jit_traces"] >= 1
     assert [t["met"] in (True, False) for t in eager["targets"]] == [True] * 3
     assert all(m["peak_mb"] > 0 for m in pex["xla_memory"].values())
@@ -77,7 +81,9 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
         (fake / mod / "__init__.py").write_text(f"raise ImportError('simulated: no {mod}')\n")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(fake), env.get("PYTHONPATH", "")])
-    data, stdout = run_bench(tmp_path, "--peers", "equinox,torch", "--no-per-example", "--no-host", env=env)
+    data, stdout = run_bench(
+        tmp_path, "--peers", "equinox,torch", "--no-per-example", "--no-host", "--no-quickstart", env=env
+    )
     rows = {row["variant"]: row for row in data["results"][0]["rows"]}
     assert list(rows) == ALL_ROWS
     for name in FLAX_ROWS:

@@ -72,6 +72,10 @@ def test_quickstart_final_params_match_plain_optax():
         updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
     tree_allclose(out["params"], params, rtol=1e-5, atol=1e-6)
+    # --no-hooks, the memory benchmark's baseline, is that same plain run and keeps no records
+    bare = quickstart.main(["--steps", "20", "--batch-size", "16", "--no-hooks"])
+    assert bare["grad_dict"] == {}
+    tree_allclose(bare["params"], params, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

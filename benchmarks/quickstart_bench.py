@@ -1,0 +1,98 @@
+"""The quickstart's peak memory and time with its hooks against the same script without them.
+
+``examples/quickstart.py`` keeps only the records it prints (``--keep 1``); ``--no-hooks``
+trains the same model with plain ``jax.value_and_grad``. Each round runs both as child
+processes, in random order, and reads each child's peak resident memory from ``os.wait4``.
+Target (issue 14): peak memory with hooks <= 1.5x without (median of per-round ratios).
+
+    python benchmarks/quickstart_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+SCRIPT = HERE.parent / "examples" / "quickstart.py"
+TARGET = 1.5  # peak memory with hooks / without
+ROWS = {  # the first two are the target's pair; the last shows what keeping every record costs
+    "quickstart, on_host hooks (--keep 1)": [],
+    "quickstart --no-hooks": ["--no-hooks"],
+    "quickstart, on_host hooks, every record kept": ["--keep", "1000000"],
+}
+
+
+def run_child(extra: list, steps: int) -> dict:
+    """One quickstart process: its wall time (s) and peak resident memory (MB)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--steps", str(steps), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    if proc.returncode:
+        raise RuntimeError(f"quickstart {extra} failed ({proc.returncode}):\n{err[-2000:]}")
+    return {"seconds": time.perf_counter() - start, "peak_mb": usage.ru_maxrss / 1024}
+
+
+def run(quick: bool = False) -> dict:
+    rounds, steps = (1, 50) if quick else (3, 1500)
+    samples = {name: [] for name in ROWS}
+    order = list(ROWS)
+    for _ in range(rounds):
+        random.shuffle(order)
+        for name in order:
+            samples[name].append(run_child(ROWS[name], steps))
+    hooked, bare = (samples[name] for name in list(ROWS)[:2])
+    ratio = statistics.median(a["peak_mb"] / b["peak_mb"] for a, b in zip(hooked, bare))
+    rows = {
+        name: {
+            "peak_mb": statistics.median(s["peak_mb"] for s in runs),
+            "seconds": statistics.median(s["seconds"] for s in runs),
+        }
+        for name, runs in samples.items()
+    }
+    target = {
+        "target": f"quickstart peak memory, hooks / no hooks <= {TARGET}",
+        "value": ratio,
+        "limit": TARGET,
+        "met": ratio <= TARGET,
+    }
+    return {"steps": steps, "rounds": rounds, "rows": rows, "samples": samples, "targets": [target]}
+
+
+def markdown(res: dict) -> str:
+    lines = [f"Quickstart ({res['steps']} steps), peak resident memory of the process", ""]
+    lines += ["| variant | peak memory (MB) | wall time (s) |", "|---|---:|---:|"]
+    for name, row in res["rows"].items():
+        lines.append(f"| {name} | {row['peak_mb']:.0f} | {row['seconds']:.1f} |")
+    t = res["targets"][0]
+    lines += ["", f"{t['target']}: {t['value']:.2f} ({'met' if t['met'] else 'NOT met'})"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one round of 50 steps: a smoke run")
+    parser.add_argument("--out", default=str(HERE / "quickstart_results.json"))
+    args = parser.parse_args(argv)
+    res = run(args.quick)
+    pathlib.Path(args.out).write_text(json.dumps(res, indent=1))
+    print(markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
