@@ -29,14 +29,18 @@ ROWS = {  # the first two are the target's pair; the last shows what keeping eve
 }
 
 
-# runs the script in the child, then reports the child's own peak resident memory (VmHWM, kB):
-# not wait4's ru_maxrss, which on Linux counts the forked copy of this (large) process
+# runs the script in the child, then reports the child's own peak resident memory in kB: Linux's
+# VmHWM, not wait4's ru_maxrss, which on Linux counts the forked copy of this (large) process;
+# elsewhere the child's own ru_maxrss (bytes on macOS)
 CHILD = """
-import runpy, sys
+import os, resource, runpy, sys
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
-peak = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")]
-print("VmHWM", peak[0], file=sys.stderr)
+if os.path.exists("/proc/self/status"):
+    peak = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")][0]
+else:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // (1024 if sys.platform == "darwin" else 1)
+print("VmHWM", peak, file=sys.stderr)
 """
 
 
