@@ -22,9 +22,10 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE.parent / "examples" / "quickstart.py"
 TARGET = 1.5  # peak memory with hooks / without
-ROWS = {  # the first two are the target's pair; the last shows what keeping every record costs
-    "quickstart, on_host hooks (--keep 1)": [],
-    "quickstart --no-hooks": ["--no-hooks"],
+HOOKED, BARE = "quickstart, on_host hooks (--keep 1)", "quickstart --no-hooks"  # the target's pair
+ROWS = {  # name -> the quickstart's extra arguments; the last shows what keeping every record costs
+    HOOKED: [],
+    BARE: ["--no-hooks"],
     "quickstart, on_host hooks, every record kept": ["--keep", "1000000"],
 }
 
@@ -68,8 +69,7 @@ def run(quick: bool = False) -> dict:
         random.shuffle(order)
         for name in order:
             samples[name].append(run_child(ROWS[name], steps))
-    hooked, bare = (samples[name] for name in list(ROWS)[:2])
-    ratio = statistics.median(a["peak_mb"] / b["peak_mb"] for a, b in zip(hooked, bare))
+    ratio = statistics.median(a["peak_mb"] / b["peak_mb"] for a, b in zip(samples[HOOKED], samples[BARE]))
     rows = {
         name: {
             "peak_mb": statistics.median(s["peak_mb"] for s in runs),

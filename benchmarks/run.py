@@ -421,8 +421,14 @@ def main(argv=None):
         "peers": selected,
         "wall_s": time.perf_counter() - start,
     }
-    out = {"meta": meta, "results": results, "per_example": pex, "eager": eager, "host": host}
-    out["quickstart"] = quick_mem
+    out = {
+        "meta": meta,
+        "results": results,
+        "per_example": pex,
+        "eager": eager,
+        "host": host,
+        "quickstart": quick_mem,
+    }
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     v, busy = meta["versions"], meta["other_cpu_share"]
     print(
