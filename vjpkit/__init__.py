@@ -5,6 +5,7 @@ Examples:
     >>> from vjpkit import nn
 """
 
+from . import _foreign  # noqa: F401  (registers the Flax linen interceptor with the scope)
 from . import inspect as inspect
 from . import nn as nn
 from . import train as train
@@ -25,13 +26,14 @@ from ._explicit import jacobian as jacobian
 from ._explicit import jvp as jvp
 from ._explicit import linearize as linearize
 from ._explicit import vjp as vjp
+from ._hook_base import HookState as HookState
+from ._hook_base import HookTransform as HookTransform
+from ._hook_base import before as before
 from ._hookable import hookable as hookable
-from ._hooks import HookTransform as HookTransform
 from ._hooks import hook_chain as hook_chain
 from ._host import on_host as on_host
 from ._records import Cotangents as Cotangents
 from ._records import Tangents as Tangents
-from ._slots import HookState as HookState
 from ._transforms import AccumulateState as AccumulateState
 from ._transforms import AddNoiseState as AddNoiseState
 from ._transforms import EmaNormalizeState as EmaNormalizeState
@@ -62,6 +64,7 @@ __all__ = [
     "VjpkitError",
     "accumulate_stats",
     "add_noise",
+    "before",
     "capture",
     "clip_by_norm",
     "ema_normalize",

@@ -2,10 +2,10 @@
 
 Contract: without ``hooks`` these return exactly what ``jax.grad`` / ``jax.value_and_grad``
 return (only error messages are rewritten to be clearer). With ``hooks`` or ``capture``, the
-returned function traces ``fun`` once through the engine (``_engine.trace``), which routes every
-layer call whose path matches a glob through the custom_vjp rule of ``_rule``. The hook
-configuration (a ``_context.Config``) belongs to the returned function: ``jax.jit`` of it
-compiles the hooks in.
+returned function traces ``fun`` once through the engine's driver (``_engine.trace`` /
+``linearize``), which routes every layer call whose path matches a glob through the custom_vjp
+rule. The hook configuration (``_engine.configure``) belongs to the returned function:
+``jax.jit`` of it compiles the hooks in.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _context, _engine, _host, _slots
-from ._capture import as_specs
+from . import _engine
 from ._check import require_inexact
 from ._errors import ConfigError, SeedError
+from ._hook_base import HookState
 
 
 def _describe_value(x: Any) -> str:
@@ -85,41 +85,25 @@ def _transform(
 ) -> Callable:
     if not callable(fun):
         raise ConfigError(f"{name}: fun must be callable, got {type(fun).__name__}.")
-    pairs = _context.normalize_hooks(hooks, name)
-    specs = as_specs(capture, name)
-    if not pairs and not specs:
+    config = _engine.configure(hooks, capture, name)
+    if not config.hooks and not config.capture:
         return jax_transform(_scalar_loss(fun, has_aux, name), argnums=argnums, has_aux=has_aux)
     with_value = jax_transform is jax.value_and_grad
-    config = _context.Config(pairs, specs, name)
     checked = _scalar_loss(fun, has_aux, name)
 
     @functools.wraps(fun)
     def hooked(*args, hook_state=None, **kwargs):
         nums = _argnums(argnums, len(args), name)
-        diff = [args[i] for i in nums]
-        _require_differentiable(diff, nums, name)
-        leaves, tree = jax.tree.flatten(diff)
-
-        def flat(*leaves):
-            full = list(args)
-            for i, d in zip(nums, jax.tree.unflatten(tree, leaves)):
-                full[i] = d
-            out = checked(*full, **kwargs)
-            return (out[0], out[1]) if has_aux else (out, None)
-
-        traced = _engine.trace(config, flat, leaves, (args, kwargs))
-        config.check_matched(traced.plan.names)
-        value, aux, pullback = _engine.linearize(traced, leaves, hook_state)
-        g_leaves, captured, new_state = pullback([jnp.ones((), value.dtype)])
-        new_state, token = _slots.deliver(config, captured, new_state)
-        g_leaves, captured, new_state = _host.tie(token, (g_leaves, captured, new_state))
-        grads = jax.tree.unflatten(tree, g_leaves)
+        _require_differentiable([args[i] for i in nums], nums, name)
+        traced = _engine.trace(config, checked, args, kwargs, argnums=nums, has_aux=has_aux)
+        value, aux, pullback = _engine.linearize(traced, hook_state)
+        grads, captured, new_state = pullback([jnp.ones((), value.dtype)])
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
             result = ((value, aux), user_grads) if has_aux else (value, user_grads)
         else:
             result = (user_grads, aux) if has_aux else user_grads
-        extras = ((captured,) if specs else ()) + ((new_state,) if hook_state is not None else ())
+        extras = ((captured,) if config.capture else ()) + ((new_state,) if hook_state is not None else ())
         return (result, *extras) if extras else result
 
     hooked.__vjpkit__ = dict(fun=fun, config=config)
@@ -185,7 +169,7 @@ def value_and_grad(
     return _transform(jax.value_and_grad, "vk.value_and_grad", fun, argnums, has_aux, hooks, capture)
 
 
-def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> _slots.HookState:
+def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> HookState:
     """The initial hook state of a vjpkit-transformed function, for ``hook_state=``.
 
     Traces ``fn``'s forward pass once (no gradient is computed) and calls each stateful hook's
@@ -212,12 +196,5 @@ def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> _slots.HookState
             f"(with hooks=...), got {getattr(fn, '__name__', type(fn).__name__)}."
         )
     config, fun = meta["config"], meta["fun"]
-    leaves, tree = jax.tree.flatten(args)
-
-    def flat(*leaves):
-        a = jax.tree.unflatten(tree, leaves)
-        return fun(*a, **kwargs), None
-
-    traced = _engine.trace(config, flat, leaves)
-    forward = _engine.forward_values(traced, leaves)
-    return _slots.init_states(traced.plan, forward)
+    traced = _engine.trace(config, fun, args, kwargs, check=False)
+    return _engine.init_hook_state(traced)

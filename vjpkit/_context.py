@@ -12,6 +12,8 @@ Contract:
   Outside a scope ``current()`` is ``None`` and layers are plain functions.
 * Layer names come from ``name_scope``, which combinators push around their children; the full
   name joins the stack with ``/``.
+* Model libraries register what must be entered while a scope is active (Flax linen's method
+  interceptor) with ``register_interceptor``, push/pop style; this module imports none of them.
 * Trace identity: JAX caches the traces of inner ``jax.jit`` / ``jax.checkpoint`` / ``lax.cond``
   functions by function and argument types, plus a user context value set here: the active
   scope's token and the current name path. A trace made under one scope (or one name prefix)
@@ -30,8 +32,8 @@ from typing import Any
 
 import jax
 
-from . import _foreign
 from ._errors import ConfigError
+from ._hook_base import inner
 
 _local = threading.local()
 _tokens = itertools.count(1)
@@ -89,7 +91,11 @@ class Config:
 
 
 class _Layers:
-    """The scope of a reverse-mode trace: every layer call becomes a ``vjpkit_layer`` equation."""
+    """The scope of a reverse-mode trace: every layer call becomes a ``vjpkit_layer`` equation.
+
+    Other scopes (``_jvp_rule.TangentScope``) route a layer call through their own
+    ``call(fn, name, params, inputs, kwargs)`` method.
+    """
 
     mode = "layers"
     token = "layers"
@@ -105,6 +111,17 @@ def current() -> Any:
 
 
 _cache_token = jax.make_user_context(default_value=None)
+_interceptors: list[Callable[[], contextlib.AbstractContextManager]] = []
+
+
+def register_interceptor(enter: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], None]:
+    """Registers ``enter()``, a context manager entered whenever a scope becomes active.
+
+    Model adapters use it (Flax linen enters its method interceptor); returns a function that
+    unregisters it.
+    """
+    _interceptors.append(enter)
+    return lambda: _interceptors.remove(enter)
 
 
 def _identity() -> Any:
@@ -116,14 +133,17 @@ def _identity() -> Any:
 def activate(scope: Any) -> Iterator[Any]:
     """Makes ``scope`` current for the duration (``None`` suspends every scope).
 
-    While a scope is active, Flax linen module calls are layer calls (``_foreign.interception``,
-    a no-op unless ``flax.linen`` has been imported).
+    While a scope is active, the registered interceptors are entered (``register_interceptor``:
+    Flax linen module calls become layer calls).
     """
     scopes = _stack("scopes")
     scopes.append(scope)
     try:
-        linen = _foreign.interception() if scope is not None else contextlib.nullcontext()
-        with _cache_token(_identity()), linen:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_cache_token(_identity()))
+            if scope is not None:
+                for enter in list(_interceptors):
+                    stack.enter_context(enter())
             yield scope
     finally:
         scopes.pop()
@@ -152,12 +172,6 @@ def tracing(name: str) -> Iterator[None]:
         layers.pop()
 
 
-def tracing_layer() -> str | None:
-    """The name of the innermost layer whose function is being traced, or ``None``."""
-    layers = _stack("layers")
-    return layers[-1] if layers else None
-
-
 def layer_path(default: str) -> str:
     """The current layer's full name; ``default`` when no combinator has named it."""
     path = _stack("path")
@@ -180,8 +194,9 @@ def normalize_hooks(hooks: Any, transform: str) -> tuple[tuple[str, tuple[Callab
         many = isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields"))
         fns = tuple(value) if many else (value,)
         for fn in fns:
-            stateful = hasattr(fn, "init") and hasattr(fn, "update")  # a vk.HookTransform
-            if not (callable(fn) or stateful):
+            hook = inner(fn)  # vk.before(hook) wraps a hook
+            stateful = hasattr(hook, "init") and hasattr(hook, "update")  # a vk.HookTransform
+            if not (callable(hook) or stateful):
                 raise ConfigError(
                     f"{transform}: the hook for glob {glob!r} is {type(fn).__name__}, not a callable. "
                     "A hook is a function rec -> None | Cotangents, vk.on_host(fn), or a vk.HookTransform."

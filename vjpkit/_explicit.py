@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _context, _engine, _hooks, _host, _slots
+from . import _context, _engine, _hooks
 from ._autodiff import grad as _vk_grad
-from ._capture import as_specs
 from ._check import check_like, require_inexact
 from ._errors import ConfigError, SeedError
+from ._hook_base import HookTransform, before
 from ._jvp_rule import TangentScope
 from ._records import _describe, spec
 
@@ -237,7 +237,7 @@ def _tangent_scope(pairs: tuple, transform: str) -> Iterator[None]:
             f"Nested hooked transforms would hide the outer transform's hooks from these layers. "
             f"Apply {transform} outside it (forward over reverse), or drop one set of hooks."
         )
-    scope = TangentScope(_context.Config(pairs, (), transform))
+    scope = TangentScope(_engine.configure(pairs, (), transform))
     with _context.activate(scope):
         yield
     scope.config.check_matched(scope.names)
@@ -256,14 +256,26 @@ def _prepare_hooks(hooks: Any, transform: str, mode: str) -> tuple:
     for glob, fns in pairs:
         out = []
         for fn in fns:
-            if isinstance(fn, _hooks.HookTransform):
+            if isinstance(fn, before):
+                if mode == "jvp":
+                    raise ConfigError(
+                        f"{transform}: the hook for glob {glob!r} is a vk.before(...) pre-hook, which "
+                        "rewrites grad_output before a layer's VJP (reverse mode). Tangent hooks are "
+                        "functions rec -> None | Tangents, or vk.on_host(fn)."
+                    )
+                hook = fn.hook
+                if isinstance(hook, HookTransform):
+                    hook = HookTransform(_stateless_init(hook.init, glob, transform), hook.update)
+                out.append(before(hook))
+                continue
+            if isinstance(fn, HookTransform):
                 if mode == "jvp":
                     raise ConfigError(
                         f"{transform}: the hook for glob {glob!r} is a vk.HookTransform, which rewrites "
                         "cotangents (reverse mode). Tangent hooks are functions rec -> None | Tangents "
                         "(return rec.replace(tangent_output=...) to rewrite), or vk.on_host(fn)."
                     )
-                fn = _hooks.HookTransform(_stateless_init(fn.init, glob, transform), fn.update)
+                fn = HookTransform(_stateless_init(fn.init, glob, transform), fn.update)
             out.append(fn)
         prepared.append((glob, tuple(out)))
     return tuple(prepared)
@@ -316,14 +328,13 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
                [26., 26., 26.]], dtype=float32)
     """
     _check_callable(fun, "vk.vjp")
-    pairs = _prepare_hooks(hooks, "vk.vjp", "vjp")
-    specs = as_specs(capture, "vk.vjp")
+    config = _engine.configure(_prepare_hooks(hooks, "vk.vjp", "vjp"), capture, "vk.vjp")
     f = _aux_checked(fun, has_aux, "vk.vjp")
-    if not pairs and not specs:
+    if not config.hooks and not config.capture:
         result = jax.vjp(f, *primals, has_aux=has_aux)
         out, pull = result[0], result[1]
     else:
-        out, pull, aux = _hooked_vjp(f, primals, has_aux, _context.Config(pairs, specs, "vk.vjp"))
+        out, pull, aux = _hooked_vjp(f, primals, has_aux, config)
         result = (out, pull, aux)
     hint = SEED_SENTENCE
     if not has_aux and isinstance(out, tuple) and len(out) == 2:
@@ -340,25 +351,15 @@ def _hooked_vjp(f: Callable, primals: tuple, has_aux: bool, config: _context.Con
             "vk.vjp: capture host delivery with every > 1 needs a step counter in hook state, which "
             "vk.vjp does not thread. Use every=1 here, or vk.grad / vk.value_and_grad with hook_state=."
         )
-    leaves, tree = jax.tree.flatten(primals)
-
-    def flat(*leaves):
-        out = f(*jax.tree.unflatten(tree, leaves))
-        return (out[0], out[1]) if has_aux else (out, None)
-
-    traced = _engine.trace(config, flat, leaves, primals)
-    config.check_matched(traced.plan.names)
-    out, aux, pull = _engine.linearize(traced, leaves, None)
-    wrapped = jax.tree_util.Partial(functools.partial(_pull, config, tree), pull)
+    traced = _engine.trace(config, f, primals, has_aux=has_aux)
+    out, aux, pull = _engine.linearize(traced)
+    wrapped = jax.tree_util.Partial(functools.partial(_pull, bool(config.capture)), pull)
     return out, wrapped, aux
 
 
-def _pull(config: _context.Config, tree: Any, pull: Callable, seed: Any) -> Any:
-    g_leaves, captured, _ = pull(jax.tree.leaves(seed))
-    _, token = _slots.deliver(config, captured, None)
-    g_leaves, captured = _host.tie(token, (g_leaves, captured))
-    grads = tuple(jax.tree.unflatten(tree, g_leaves))
-    return (grads, captured) if config.capture else grads
+def _pull(with_capture: bool, pull: Callable, seed: Any) -> Any:
+    grads, captured, _ = pull(seed)
+    return (tuple(grads), captured) if with_capture else tuple(grads)
 
 
 def jvp(
@@ -544,7 +545,7 @@ def _hooked_jacrev(f: Callable, argnums: Any, has_aux: bool, pairs: tuple, *args
         return f(*full)
 
     out, pull, aux = _hooked_vjp(
-        g, tuple(args[i] for i in nums), has_aux, _context.Config(pairs, (), "vk.jacobian")
+        g, tuple(args[i] for i in nums), has_aux, _engine.configure(pairs, (), "vk.jacobian")
     )
     leaves, out_def = jax.tree.flatten(out)
     sizes = [int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves]

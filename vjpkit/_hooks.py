@@ -1,44 +1,26 @@
-"""How a layer's hooks run: plain hooks, stateful ``HookTransform`` s, and their checks.
+"""How a layer's hooks run: plain hooks, stateful ``HookTransform`` s, pre-hooks, and their checks.
 
-Contract: a layer's hook list may mix plain hooks (``rec -> None | Cotangents``) and
-``HookTransform`` s (``init(params) -> state``, ``update(rec, state) -> (rec, state)``).
-``init_state`` gives the layer's state: the single transform's state, or a tuple when
-several transforms apply. ``run`` applies the hooks in order and checks, at trace time,
-every replacement record and every new state against what it replaces; it never casts.
+Contract: a layer's hook list may mix plain hooks (``rec -> None | Cotangents``),
+``HookTransform`` s (``init(params) -> state``, ``update(rec, state) -> (rec, state)``) and
+either wrapped in ``vk.before`` (types: ``_hook_base``). ``init_state`` gives the layer's
+state: the single transform's state, or a tuple when several transforms apply (in list order,
+``before`` ones included). ``run`` applies the hooks of one phase in order (``"before"`` the
+layer's own VJP, or ``"after"`` it) and checks, at trace time, every replacement record and
+every new state against what it replaces; it never casts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
 from . import _context
 from ._check import check_like
 from ._errors import ConfigError, HookError
+from ._hook_base import HookTransform, inner, is_before, is_deferred
 from ._records import Cotangents
-
-
-class HookTransform(NamedTuple):
-    """A stateful hook, in optax's shape.
-
-    Attributes:
-        init: ``init(params) -> state``, called once per matching layer call with its params.
-            State leaves must be floating point (keep counters as ``float32``).
-        update: ``update(rec, state) -> (rec, state)``: return ``rec`` unchanged to observe, or
-            ``rec.replace(grad_input=..., grad_params=...)`` to rewrite, and the next state.
-
-    Examples:
-        >>> def init(params):
-        ...     return {"count": jnp.zeros(())}
-        >>> def update(rec, state):
-        ...     return rec, {"count": state["count"] + 1}
-        >>> counter = vk.HookTransform(init, update)
-    """
-
-    init: Callable[[Any], Any]
-    update: Callable[[Cotangents, Any], tuple[Cotangents, Any]]
 
 
 def hook_chain(*transforms: HookTransform | Callable) -> HookTransform:
@@ -50,6 +32,11 @@ def hook_chain(*transforms: HookTransform | Callable) -> HookTransform:
     Examples:
         >>> moderate = vk.hook_chain(vk.ema_normalize(0.9), vk.clip_by_norm(1.0))
     """
+    if any(is_before(t) for t in transforms):
+        raise ConfigError(
+            "vk.hook_chain: a vk.before(...) hook cannot be chained with hooks that run after the "
+            "layer's VJP. Give them side by side in a list instead: hooks={'fc*': [vk.before(f), g]}."
+        )
     parts = tuple(t if isinstance(t, HookTransform) else _stateless(t) for t in transforms)
 
     def init(params):
@@ -79,7 +66,7 @@ def _stateless(hook: Callable) -> HookTransform:
 
 
 def _transforms(hooks: Sequence[Callable]) -> list[HookTransform]:
-    return [h for h in hooks if isinstance(h, HookTransform)]
+    return [inner(h) for h in hooks if isinstance(inner(h), HookTransform)]
 
 
 def init_state(hooks: Sequence[Callable], params: Any) -> Any:
@@ -144,9 +131,10 @@ def hook_name(hook: Callable) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
-def validate(rec: Cotangents, new: Any, hook: Callable) -> Cotangents:
-    """Checks that ``new`` may replace ``rec`` (returned by ``hook``) and returns it."""
-    who = f"hook {hook_name(hook)} on layer {rec.name!r} (call {rec.call})"
+def validate(rec: Cotangents, new: Any, hook: Callable, phase: str = "after") -> Cotangents:
+    """Checks that ``new`` may replace ``rec`` (returned by ``hook`` in ``phase``) and returns it."""
+    pre = phase == "before"
+    who = f"{'pre-hook' if pre else 'hook'} {hook_name(hook)} on layer {rec.name!r} (call {rec.call})"
     if new is None:
         return rec
     if not isinstance(new, Cotangents):
@@ -159,12 +147,41 @@ def validate(rec: Cotangents, new: Any, hook: Callable) -> Cotangents:
             f"{who} returned the record of layer {new.name!r} (call {new.call}). "
             "Return the record you were given, changed with rec.replace(...)."
         )
-    for field in ("params", "input", "output", "grad_output"):
+    for field in ("params", "input", "output", *(() if pre else ("grad_output",))):
         if getattr(new, field) is not getattr(rec, field):
+            if field == "grad_output":
+                raise HookError(
+                    f"{who} changed field 'grad_output', which is read-only after the layer's own VJP "
+                    "has run: grad_input and grad_params were computed from it. To rewrite grad_output "
+                    "before the layer's VJP (PyTorch's register_full_backward_pre_hook), wrap the hook "
+                    "in vk.before: hooks={" + repr(rec.name) + ": vk.before(hook)}; grad_input and "
+                    "grad_params are then computed from the new value."
+                )
             raise HookError(
-                f"{who} changed field {field!r}, which is read-only. Only grad_input and "
-                "grad_params can be replaced; they are what the layers below receive."
+                f"{who} changed field {field!r}, which is read-only. Only "
+                + (
+                    "grad_output can be replaced before the layer's VJP."
+                    if pre
+                    else "grad_input and grad_params can be replaced; they are what the layers below receive."
+                )
             )
+    if pre:
+        for field in ("grad_input", "grad_params"):
+            if getattr(new, field) is not None:
+                raise HookError(
+                    f"{who} set field {field!r}, which is not computed yet before the layer's VJP. "
+                    "A vk.before hook may only replace grad_output; rewrite grad_input or grad_params "
+                    "with a hook that runs after the VJP (without vk.before)."
+                )
+        if new.grad_output is not rec.grad_output:
+            check_like(
+                rec.grad_output,
+                new.grad_output,
+                what=f"{who}, field 'grad_output'",
+                error=HookError,
+                hint="A replacement must match the original cotangent exactly; cast it yourself if you mean to.",
+            )
+        return new
     for field in ("grad_input", "grad_params"):
         expected, got = getattr(rec, field), getattr(new, field)
         if got is expected:
@@ -186,27 +203,39 @@ def validate(rec: Cotangents, new: Any, hook: Callable) -> Cotangents:
     return new
 
 
-def run(rec: Cotangents, hooks: Sequence[Callable], state: Any, sink: list | None = None):
-    """Applies ``hooks`` in order; returns the final record and the layer's new state.
+def run(
+    rec: Cotangents, hooks: Sequence[Callable], state: Any, sink: list | None = None, phase: str = "after"
+):
+    """Applies the hooks of ``phase`` in order; returns the final record and the layer's new state.
 
-    With ``sink``, a hook marked ``deferred`` (``vk.on_host``) is not called: the record it
-    would see is appended to ``sink``, for the transform to deliver after the backward pass.
+    ``phase`` is ``"before"`` (the ``vk.before`` hooks, before the layer's own VJP) or
+    ``"after"`` (every other hook). The state covers every ``HookTransform`` of ``hooks``; the
+    other phase's entries pass through unchanged. With ``sink``, a hook marked ``deferred``
+    (``vk.on_host``) is not called: the record it would see is appended to ``sink``, for the
+    transform to deliver after the backward pass.
     """
     transforms = _transforms(hooks)
     stateless = state is None
     if stateless:
         state = init_state(hooks, rec.params)
     states = list((state,) if len(transforms) == 1 else state) if transforms else []
-    new_states = []
-    for hook in hooks:
-        if sink is not None and getattr(hook, "deferred", False):
+    k = 0  # index of the next HookTransform in the list
+    for wrapped in hooks:
+        hook = inner(wrapped)
+        mine = is_before(wrapped) == (phase == "before")
+        if isinstance(hook, HookTransform):
+            k += 1
+        if not mine:
+            continue
+        if sink is not None and is_deferred(hook):
             sink.append(rec)
             continue
-        before = _snapshot(rec)
+        before_ids = _snapshot(rec)
+        fn = hook.update if isinstance(hook, HookTransform) else hook
         with _context.activate(None):  # hooks may call layers: those are plain calls
             if isinstance(hook, HookTransform):
-                old = states[len(new_states)]
-                out, new = hook.update(rec, old)
+                old = states[k - 1]
+                out, new = _update(hook, rec, old)
                 check_like(
                     old,
                     new,
@@ -214,13 +243,25 @@ def run(rec: Cotangents, hooks: Sequence[Callable], state: Any, sink: list | Non
                     error=HookError,
                     hint="update(rec, state) must return a state of the same structure, shapes and dtypes.",
                 )
-                new_states.append(new)
+                states[k - 1] = new
             else:
                 out = hook(rec)
-        _check_untouched(rec, before, hook.update if isinstance(hook, HookTransform) else hook)
-        rec = validate(rec, out, hook.update if isinstance(hook, HookTransform) else hook)
+        _check_untouched(rec, before_ids, fn)
+        rec = validate(rec, out, fn, phase)
     if stateless:
         return rec, None
     if not transforms:
         return rec, ()
-    return rec, new_states[0] if len(new_states) == 1 else tuple(new_states)
+    return rec, states[0] if len(states) == 1 else tuple(states)
+
+
+def _update(hook: HookTransform, rec: Cotangents, state: Any) -> tuple[Cotangents, Any]:
+    """``hook.update(rec, state)``, with a clear error when it does not return a pair."""
+    result = hook.update(rec, state)
+    if not (isinstance(result, tuple) and not isinstance(result, Cotangents) and len(result) == 2):
+        raise HookError(
+            f"the update of vk.HookTransform {hook_name(hook.update)} on layer {rec.name!r} (call "
+            f"{rec.call}) returned {type(result).__name__}, not a pair (rec, state). Return "
+            "(rec, new_state): rec unchanged to observe, or rec.replace(...) to rewrite."
+        )
+    return result

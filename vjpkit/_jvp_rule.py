@@ -49,6 +49,10 @@ class TangentScope:
         self.token = config.token
         self.names: list[str] = []
 
+    def call(self, fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict) -> Any:
+        """One layer call of the forward-mode trace (``_primitive.call`` routes it here)."""
+        return hooked_call(self, fn, name, params, inputs, kwargs)
+
     def register(self, name: str) -> int:
         """Counts one call of layer ``name`` and returns its call index."""
         self.names.append(name)

@@ -1,13 +1,17 @@
-"""The ``vjpkit_layer`` primitive: one layer call, recognisable in a traced program.
+"""The layer call: ``call()`` and the ``vjpkit_layer`` primitive, one layer call in a program.
 
-Contract: while a reverse-mode vjpkit transform traces the user's function, every layer call
-is bound as one ``vjpkit_layer`` equation whose parameters are
+Contract: ``call`` is what every layer source runs (``vjpkit.nn`` layers, the Flax, NNX and
+Equinox adapters); it is the only engine-facing name they import. Outside a vjpkit transform
+it is exactly ``fn(params, *inputs, **kwargs)``; inside ``vk.jvp`` with hooks it is routed to
+the active scope's own ``call`` (the custom_jvp rule); inside a reverse-mode transform it binds
+the call as one ``vjpkit_layer`` equation whose parameters are
 
 * ``jaxpr``: the layer's computation over flat operands ``(*hoisted, *leaves)``, where
   ``leaves`` flatten ``(params, inputs, array_kwargs)`` and ``hoisted`` are traced values the
   layer's function closed over (they get gradients but are not part of the record);
 * ``name``: the layer's full path; ``tree``: the treedef of ``(params, inputs, array_kwargs)``;
-  ``n_hoisted``; ``out_tree``: the treedef of the output.
+  ``n_hoisted``; ``out_tree``: the treedef of the output; ``kind``: the call's kind
+  (``_kinds``, wrapped in ``_trees.Static``; ``None`` inside when unknown).
 
 The equation is what the engine (``_engine``) turns into a hooked rule. Anywhere else it is
 plain JAX: its implementation and lowering evaluate ``jaxpr``; under ``vmap`` it stays one
@@ -25,8 +29,8 @@ import jax
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from . import _context
-from ._trees import split_kwargs
+from . import _context, _kinds
+from ._trees import Static, split_kwargs
 
 layer_p = jcore.Primitive("vjpkit_layer")
 layer_p.multiple_results = True
@@ -79,7 +83,22 @@ def _hoist(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, list]:
     return jcore.ClosedJaxpr(new, keep), hoisted
 
 
-def bind(fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict) -> Any:
+def call(fn: Callable, params: Any, inputs: tuple, kwargs: dict, default_name: str, kind: Any = None) -> Any:
+    """Applies ``fn(params, *inputs, **kwargs)`` as the layer call ``default_name``.
+
+    ``default_name`` is the name when no combinator or adapter has pushed one
+    (``_context.name_scope``); ``kind`` is the call's ``_kinds`` kind when the source knows it.
+    """
+    scope = _context.current()
+    if scope is None:
+        return fn(params, *inputs, **kwargs)
+    name = _context.layer_path(default_name)
+    if scope is not _context.LAYERS:
+        return scope.call(fn, name, params, inputs, kwargs)
+    return bind(fn, name, params, inputs, kwargs, kind)
+
+
+def bind(fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict, kind: Any = None) -> Any:
     """Traces ``fn(params, *inputs, **kwargs)`` and binds it as layer call ``name``."""
     dynamic, static = split_kwargs(kwargs)
     leaves, tree = jax.tree.flatten((params, tuple(inputs), dynamic))
@@ -88,11 +107,18 @@ def bind(fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict) -> A
         p, xs, kw = jax.tree.unflatten(tree, leaves)
         return fn(p, *xs, **kw, **static)
 
-    with _context.tracing(name):
+    with _context.tracing(name), _kinds.noting(kind) as noted:
         closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
     closed, hoisted = _hoist(closed)
     out_tree = jax.tree.structure(out_shape)
     outs = layer_p.bind(
-        *hoisted, *leaves, jaxpr=closed, name=name, tree=tree, n_hoisted=len(hoisted), out_tree=out_tree
+        *hoisted,
+        *leaves,
+        jaxpr=closed,
+        name=name,
+        tree=tree,
+        n_hoisted=len(hoisted),
+        out_tree=out_tree,
+        kind=Static(noted[0]),
     )
     return jax.tree.unflatten(out_tree, outs)

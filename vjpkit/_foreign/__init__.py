@@ -1,11 +1,11 @@
 """Foreign models: Flax linen, Flax NNX and Equinox modules as vjpkit layer calls.
 
 Contract: nothing here imports flax or equinox at ``import vjpkit``; each submodule imports
-its framework lazily. ``interception()`` is what ``_context.activate`` enters whenever a scope
-becomes active, i.e. while a vjpkit transform traces (a no-op unless ``flax.linen`` has been
-imported; installed once when scopes nest); ``vjpkit._hookable.hookable`` makes NNX and
-Equinox models hookable. ``_kinds`` tags foreign layer calls with the kind of layer they are,
-for the per-example fast paths.
+its framework lazily. ``interception()`` is registered with the scope
+(``_context.register_interceptor``) when this package is imported, so ``_context.activate``
+enters it whenever a vjpkit transform traces (a no-op unless ``flax.linen`` has been imported;
+installed once when scopes nest); ``vjpkit._hookable.hookable`` makes NNX and Equinox models
+hookable. Each adapter gives its layer calls their kind (``vjpkit._kinds``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator
+
+from .. import _context
 
 _local = threading.local()
 
@@ -35,3 +37,6 @@ def interception() -> Iterator[None]:
             yield
     finally:
         _local.active = False
+
+
+_context.register_interceptor(interception)

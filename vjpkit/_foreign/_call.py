@@ -1,7 +1,7 @@
 """One foreign submodule call as one vjpkit layer call (shared by linen, NNX and Equinox).
 
 Contract: ``layer_call(apply, params, args, kwargs, name, kind)`` computes
-``apply(params, *args, **kwargs)`` through ``vjpkit._rule.call`` under the layer name
+``apply(params, *args, **kwargs)`` through ``vjpkit._primitive.call`` under the layer name
 ``name`` (relative to the current name scope). Positional arguments whose leaves are all
 arrays are the record's ``input`` (one such argument: the array itself; several: a tuple);
 other positional arguments (flags, ``None``, Python numbers) are static. Keyword arguments
@@ -12,7 +12,6 @@ the rest are static.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _context, _rule
-from . import _kinds
-
-_local = threading.local()
+from .. import _kinds, _primitive
 
 
 def _is_array(x: Any) -> bool:
@@ -37,11 +33,6 @@ def _dynamic(x: Any) -> bool:
 
 def _float_tree(x: Any) -> bool:
     return any(jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in jax.tree.leaves(x))
-
-
-def count() -> int:
-    """How many foreign layer calls this thread has started (to detect containers)."""
-    return getattr(_local, "count", 0)
 
 
 def layer_call(
@@ -77,12 +68,4 @@ def layer_call(
             full[i] = x
         return apply(p, *full, **kw, **static_kw)
 
-    full_name = _context.layer_path(name)
-    if kind is not None and _kinds.active():
-        _kinds.note(full_name, kind())
-    _local.count = count() + 1
-    start = count()
-    out = _rule.call(fn, params, inputs, pass_kw, name)
-    if count() != start:
-        _kinds.container(full_name)
-    return out
+    return _primitive.call(fn, params, inputs, pass_kw, name, kind() if kind is not None else None)

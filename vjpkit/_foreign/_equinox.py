@@ -3,7 +3,7 @@
 Contract: the classes of all modules in the model get a patched ``__call__`` (see
 ``_patch``); the model returned is the model given, so its pytree structure, ``jit``/``vmap``
 behaviour and serialisation are those of the original. Inside a vjpkit transform a call of
-module ``m`` is ``_rule.call`` with ``params = eqx.filter(m, eqx.is_inexact_array)`` (an
+module ``m`` is ``_primitive.call`` with ``params = eqx.filter(m, eqx.is_inexact_array)`` (an
 Equinox module of arrays, keyed by field) and ``fn(p, *xs) = eqx.combine(p, static)(*xs)``.
 """
 
@@ -14,7 +14,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from . import _call, _kinds, _patch
+from .. import _kinds
+from . import _call, _patch
 
 
 def _key_name(k: Any) -> str:

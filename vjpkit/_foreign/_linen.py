@@ -2,7 +2,7 @@
 
 Contract: ``linen_interception()`` registers a ``flax.linen.intercept_methods`` interceptor.
 While a vjpkit transform traces (``_context.current()`` is not None), each call of a bound,
-non-initialising linen module's ``__call__`` becomes ``_rule.call`` with
+non-initialising linen module's ``__call__`` becomes ``_primitive.call`` with
 
 * name: the module path joined with ``/`` (``"Dense_0"``, ``"Encoder_0/Dense_1"``, or the
   ``name=`` given), under any enclosing vjpkit name scope; the root module (empty path) is
@@ -28,8 +28,8 @@ import flax.linen as nn
 from flax.core import lift, unfreeze
 from flax.core.scope import is_filter_empty
 
-from .. import _context
-from . import _call, _kinds
+from .. import _context, _kinds
+from . import _call
 
 _local = threading.local()
 

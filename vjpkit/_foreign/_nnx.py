@@ -3,7 +3,7 @@
 Contract: the classes of all modules in the model graph get a patched ``__call__`` (see
 ``_patch``); the model returned is the model given, so ``nnx.split``/``merge``, ``nnx.state``,
 ``jit`` and ``vmap`` see the original. Inside a vjpkit transform a call of module ``m`` is
-``_rule.call`` with ``params = nnx.to_pure_dict(nnx.state(m, nnx.Param))`` (nested dicts keyed
+``_primitive.call`` with ``params = nnx.to_pure_dict(nnx.state(m, nnx.Param))`` (nested dicts keyed
 as NNX keys the state) and ``fn`` re-merging ``m`` with the given params.
 
 Modules with other state (RNG streams of ``Dropout``, batch statistics of ``BatchNorm``, and
@@ -28,8 +28,9 @@ from typing import Any
 import jax
 from flax import nnx
 
+from .. import _kinds
 from .._errors import ConfigError
-from . import _call, _kinds, _patch
+from . import _call, _patch
 
 
 def path_in(parent: Any, child: Any) -> tuple[str, ...] | None:

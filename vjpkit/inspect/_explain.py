@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _context, _engine
+from .. import _engine
 from .._capture import FIELDS, capture
 from .._errors import ConfigError
 from .._records import dtype_name
@@ -152,22 +152,13 @@ class _Trace(NamedTuple):
 
 def _trace(fun: Callable, args: tuple, nums: tuple[int, ...]) -> tuple[_Trace, Any, str]:
     """One shape-only trace of fun's forward and backward pass, records captured whole."""
-    config = _context.Config((), (capture("*"),), "vk.explain")
+    config = _engine.configure(None, (capture("*"),), "vk.explain")
     seen: dict[str, Any] = {}
     backward: list[str] = []
 
     def trace(*values):
-        diff = [values[i] for i in nums]
-        leaves, tree = jax.tree.flatten(diff)
-
-        def flat(*leaves):
-            full = list(values)
-            for i, d in zip(nums, jax.tree.unflatten(tree, leaves)):
-                full[i] = d
-            return fun(*full), None
-
-        traced = _engine.trace(config, flat, leaves)
-        out, _, pull = _engine.linearize(traced, leaves, None, log=backward)
+        traced = _engine.trace(config, fun, values, argnums=nums, check=False)
+        out, _, pull = _engine.linearize(traced, log=backward)
         seen["plan"] = traced.plan
         seen["out"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), out)
         scalar = isinstance(out, jax.Array) and out.shape == () and jnp.issubdtype(out.dtype, jnp.inexact)

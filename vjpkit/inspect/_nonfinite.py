@@ -32,9 +32,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from .. import _autodiff, _context, _engine
+from .. import _engine
 from .._capture import FIELDS, capture
 from .._errors import ConfigError
 
@@ -99,31 +100,30 @@ def _counts(loss_fn: Callable, args: tuple, kwargs: dict) -> tuple[float, dict, 
             "vk.inspect.find_nonfinite needs loss_fn's arguments, "
             "e.g. find_nonfinite(loss_fn, params, batch)."
         )
-    forward: list[str] | None = None
-
-    def traced(*a, **k):
-        nonlocal forward
-        if forward is None:  # the forward call order, from the same program the transform traces
-            leaves, tree = jax.tree.flatten(a)
-            flat = lambda *leaves: (loss_fn(*jax.tree.unflatten(tree, leaves), **k), None)
-            forward = list(_engine.trace(_context.Config(), flat, leaves).plan.order)
-        return loss_fn(*a, **k)
-
     spec = capture("*", fields=FIELDS, reduce="nonfinite_count")
-    g = _autodiff.value_and_grad(traced, capture=spec)
+    config = _engine.configure(None, (spec,), "vk.inspect.find_nonfinite")
+    forward: list[str] = []
     backward: list[str] = []
 
-    def run(*a):
-        (loss, _), captured = g(*a, **kwargs)
+    def run(*a):  # one trace: the forward order from its plan, the backward order from its pullback
+        traced = _engine.trace(config, loss_fn, a, kwargs, argnums=(0,), check=False)
+        forward[:] = traced.plan.order
+        if not forward:
+            return None
+        loss, _, pull = _engine.linearize(traced)
+        if getattr(loss, "shape", None) != ():
+            raise ConfigError(
+                f"vk.inspect.find_nonfinite: loss_fn must return a scalar loss, got shape "
+                f"{getattr(loss, 'shape', type(loss).__name__)}."
+            )
+        _, captured, _ = pull([jnp.ones((), loss.dtype)])
         backward[:] = captured  # at trace time the dict is in backward order; jit returns it sorted
         return loss, captured
 
-    try:
-        loss, captured = jax.device_get(jax.jit(run)(*args))  # one compile beats op-by-op dispatch
-    except ConfigError:
-        if forward == []:  # the forward pass ran and called no layer: the capture glob matched nothing
-            return None
-        raise
+    result = jax.device_get(jax.jit(run)(*args))  # one compile beats op-by-op dispatch
+    if result is None:  # the forward pass ran and called no layer
+        return None
+    loss, captured = result
     per_layer = {}
     for key in backward:
         rec = captured[key]

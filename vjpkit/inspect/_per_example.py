@@ -30,7 +30,7 @@ How each parameter leaf's per-example gradient is handled:
   ``B * prod(kernel shape)`` floats for that layer, no more.
 * attention (``nn.multi_head_attention``) is its dense projections ``q``, ``k``, ``v``, ``out``:
   sequence dense layers above; its ``dot_product`` part has no parameters.
-* affine norms (layers that note themselves as ``nn._kinds.AffineNorm`` while traced:
+* affine norms (layers that note themselves as ``nn.AffineNorm`` while traced:
   ``nn.rms_norm``, and ``nn.batch_norm`` in eval mode): ``y = x_hat * scale + bias`` on the last
   axis, with ``x_hat`` recomputed from the captured ``input``; per example, the ``scale``
   gradient is ``sum_t d_it * x_hat_it`` and the ``bias`` gradient ``sum_t d_it`` over every axis
@@ -63,12 +63,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _context, _engine
+from .. import _engine
 from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import capture as _capture
 from .._errors import ConfigError
-from .._foreign import _kinds as _foreign_kinds
-from ..nn import _kinds
+from .._kinds import AffineNorm, LayerKind
 
 __all__ = ["PerExampleNorms", "dp_clip", "dp_noise", "per_example_grad_norms"]
 
@@ -104,7 +103,7 @@ class _Call:
     kind: Any = None  # what the layer noted about itself (nn._kinds), e.g. an AffineNorm
     tree: Any = None  # the structure of the call's params, and the leaf index of each of its leaves
     order: list[int | None] = dataclasses.field(default_factory=list)
-    foreign: _foreign_kinds.LayerKind | None = None  # a foreign layer's kind (Flax, NNX, Equinox)
+    foreign: LayerKind | None = None  # a foreign layer's kind (Flax, NNX, Equinox)
     container: bool = False  # a foreign call that contains other layer calls (a parent module)
 
 
@@ -115,13 +114,8 @@ def _path_name(path: Sequence[Any]) -> str:
 
 def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_Call]:
     """The layer calls of ``loss_fn`` in forward order, with the params leaves each one uses."""
-    leaves, tree = jax.tree.flatten(params)
-
-    def flat(*leaves):
-        return loss_fn(jax.tree.unflatten(tree, leaves), *batch), None
-
-    with _kinds.collect() as kinds, _foreign_kinds.collect() as registry:
-        traced = _engine.trace(_context.Config((), (), who), flat, leaves)
+    config = _engine.configure(None, None, who)
+    traced = _engine.trace(config, loss_fn, (params, *batch), argnums=(0,), check=False)
     out = traced.closed.out_avals[0]
     if not (hasattr(out, "shape") and tuple(out.shape) == ()):
         raise ConfigError(
@@ -130,9 +124,10 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
             f"{getattr(out, 'shape', type(out).__name__)}."
         )
     calls = []
-    for key in traced.plan.order:
-        site = traced.plan.by_key[key]
-        n = site.eqn.params["n_hoisted"]
+    plan = traced.plan
+    for key in plan.order:
+        site = plan.by_key[key]
+        n = site.layout.n_hoisted
         paths = jax.tree_util.tree_flatten_with_path(site.record.params)[0]
         entries, derived, order = {}, [], []
         for (path, aval), origin, flag in zip(paths, site.origins[n:], site.flags[n:]):
@@ -142,9 +137,11 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
             entries[local_name] = (origin, tuple(aval.shape))
             order.append(origin)
         params_tree = jax.tree.structure(site.record.params)
-        call = _Call(key, site.name, entries, derived, kinds.get(site.name), params_tree, order)
-        call.foreign = registry.kinds.get(call.name)
-        call.container = call.name in registry.containers
+        kind = site.kind
+        norm = kind if isinstance(kind, AffineNorm) else None
+        call = _Call(key, site.name, entries, derived, norm, params_tree, order)
+        call.foreign = kind if isinstance(kind, LayerKind) else None
+        call.container = plan.contains_calls(site)
         if call.foreign is not None and call.foreign.kind in ("dense", "conv"):
             call.params = {call.foreign.roles.get(k, k): v for k, v in call.params.items()}
         calls.append(call)
@@ -201,13 +198,13 @@ class _Use:
     key: str
     role: str
     kind: str  # "dense" | "conv" | "norm"
-    conv: Any = None  # (strides, padding) for conv; the _kinds.AffineNorm for norm
+    conv: Any = None  # (strides, padding) for conv; the AffineNorm for norm
 
 
 def _classify(call: _Call, rec: Any, batch_size: int, conv_cfg: dict, who: str) -> tuple[str | None, Any]:
     """``("dense" | "conv" | "norm" | None, config)`` from the call's params and record shapes."""
     roles = set(call.params)
-    if isinstance(call.kind, _kinds.AffineNorm):
+    if isinstance(call.kind, AffineNorm):
         x, d = (None, None) if rec is None else (rec.input, rec.grad_output)
         ok = (
             hasattr(x, "shape")
@@ -479,7 +476,7 @@ def analyze(
         shaped = (
             "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
         )
-        return (shaped or isinstance(c.kind, _kinds.AffineNorm)) and any(
+        return (shaped or isinstance(c.kind, AffineNorm)) and any(
             ix is not None and wanted[ix] for ix, _ in c.params.values()
         )
 

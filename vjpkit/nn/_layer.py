@@ -3,7 +3,7 @@
 Contract: ``init(key, *example_inputs) -> params`` and ``apply(params, *inputs, **kwargs) ->
 output``. ``init`` may receive ``jax.ShapeDtypeStruct`` example inputs (from ``serial``), so it
 reads only ``.shape`` and ``.dtype``. Every layer made by ``layer`` is hookable: its
-``apply`` runs through ``vjpkit._rule.call``, which is a plain call outside vjpkit
+``apply`` runs through ``vjpkit._primitive.call``, which is a plain call outside vjpkit
 transforms. Keyword arguments a layer's function does not declare are ignored, so that a
 combinator can pass ``key=`` or ``deterministic=`` to all of its children.
 """
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _rule
+from .. import _primitive
 from .._errors import ConfigError
 
 
@@ -79,7 +79,7 @@ def layer(fn: Callable, init: Callable | None = None, *, name: str | None = None
     accept = _accepted_kwargs(fn)
 
     def apply(params, *inputs, **kwargs):
-        return _rule.call(fn, params, inputs, accept(kwargs), default)
+        return _primitive.call(fn, params, inputs, accept(kwargs), default)
 
     return Layer(init if init is not None else _no_params, apply)
 

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _kinds
 from .._errors import ConfigError
-from . import _kinds
 from ._layer import Layer, layer
 from ._linear import _param_dtype
 from ._linear import describe as _describe

@@ -7,71 +7,28 @@ probe stacked on a leading axis per enclosing scan, so its records come back one
 iteration. Integer and boolean leaves travel exactly, as 16-bit chunks in float32; a record
 of a ``lax.cond`` branch not taken comes back as NaN (integers: 0), never as plausible zeros.
 
-``HookState`` is the typed hook-state container threaded by ``hook_state=``: ``layers`` maps
-call keys to the states of their stateful hooks, ``host`` holds the step counters of capture
-host deliveries with ``every > 1``. It is a read-only mapping over ``layers``.
+The hook state threaded by ``hook_state=`` is a ``HookState`` (``_hook_base``): ``layers`` maps
+call keys to the states of their stateful hooks, ``host`` holds the step counters of host
+deliveries with ``every > 1``. This module checks it, threads it and advances the counters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import _context, _hooks, _host
+from .. import _context, _hooks, _host
+from .._check import check_like
+from .._errors import ConfigError
+from .._hook_base import HookState
 from ._carry import decode
-from ._check import check_like
-from ._errors import ConfigError
 
 THREADING = (
     "Create the state once with `state = vk.init_hook_state(g, *args)`, pass it as "
     "`g(*args, hook_state=state)`, and pass the state that call returns to the next step."
-)
-
-
-class HookState(Mapping):
-    """Hook state across steps: ``state[key]`` is the state of layer call ``key``'s hooks.
-
-    Attributes:
-        layers: ``{call key: state}`` of the stateful hooks.
-        host: ``{"capture[i]" or "on_host[j]": {"count": float32}}``: step counters of the
-            host deliveries with ``every > 1`` (capture spec ``i``; the ``j``-th distinct
-            ``vk.on_host`` hook), kept apart from the layers' states.
-
-    Examples:
-        >>> state = vk.init_hook_state(g, params, x, y)
-        >>> sorted(state), state["fc2"].count
-    """
-
-    def __init__(self, layers: Mapping | None = None, host: Mapping | None = None):
-        self.layers = dict(layers or {})
-        self.host = dict(host or {})
-
-    def __getitem__(self, key: str) -> Any:
-        return self.layers[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.layers)
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __bool__(self) -> bool:
-        return bool(self.layers) or bool(self.host)
-
-    def __repr__(self) -> str:
-        return f"HookState(layers={self.layers!r}, host={self.host!r})"
-
-
-jax.tree_util.register_pytree_with_keys(
-    HookState,
-    lambda s: (
-        ((jax.tree_util.GetAttrKey("layers"), s.layers), (jax.tree_util.GetAttrKey("host"), s.host)),
-        None,
-    ),
-    lambda _, children: HookState(*children),
 )
 
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._capture import reduce_record
-from ._records import Cotangents
+from .._capture import reduce_record
+from .._records import Cotangents
 
 
 def _chunks(dtype: Any) -> int:

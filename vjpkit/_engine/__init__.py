@@ -1,0 +1,47 @@
+"""The program engine: one driver, rules per primitive, sites with layouts, handlers for policy.
+
+Contract: the facade every transform (``_autodiff``, ``_explicit``) and inspect tool uses; they
+import nothing else from the engine. Rooms, dependencies pointing down:
+
+* ``_driver``: ``configure``, ``trace``, ``linearize``, ``init_hook_state`` (the one driver);
+* ``_plan`` (names, active calls, shapes) and ``_run`` (evaluation), both walking equations by
+  ``_rules`` (one table keyed by primitive, planning and evaluation side by side);
+* ``_site``: sites as spans of the program with a layout, found by site sources;
+* ``_rule``: the custom_vjp rule, which builds the record and hands it to a handler;
+* ``_handlers``: the policy (hooks, capture, host, explain log), composed with ``chain``;
+* ``_slots`` / ``_carry``: probes, captured records and hook state out of the backward pass.
+
+See ``docs/architecture.md``.
+"""
+
+from ._driver import Traced as Traced
+from ._driver import configure as configure
+from ._driver import init_hook_state as init_hook_state
+from ._driver import linearize as linearize
+from ._driver import trace as trace
+from ._handlers import Handler as Handler
+from ._handlers import chain as chain
+from ._plan import Plan as Plan
+from ._plan import Site as Site
+from ._rules import RULES as RULES
+from ._rules import Rule as Rule
+from ._site import SOURCES as SOURCES
+from ._site import Layout as Layout
+from ._site import Span as Span
+
+__all__ = [
+    "RULES",
+    "SOURCES",
+    "Handler",
+    "Layout",
+    "Plan",
+    "Rule",
+    "Site",
+    "Span",
+    "Traced",
+    "chain",
+    "configure",
+    "init_hook_state",
+    "linearize",
+    "trace",
+]

@@ -1,0 +1,203 @@
+"""The driver: the one way a user function is traced and linearized with hooks, capture and handlers.
+
+Contract: every vjpkit transform and inspect tool goes through these functions, and nothing
+outside the engine builds a configuration or a trace itself.
+
+* ``configure(hooks, capture, transform)`` makes the immutable ``_context.Config`` of one
+  transformed function (hooks and capture normalised and checked).
+* ``trace(config, fun, args, kwargs, argnums=..., has_aux=...)`` traces ``fun(*args, **kwargs)``
+  once under ``jax.make_jaxpr`` with every layer call marked (the program does not depend on
+  the configuration), and plans it (``Plan``: names, active calls, record, state and probe
+  shapes). ``args[i]`` for ``i`` in ``argnums`` are differentiated (all of them when ``None``).
+* ``linearize(traced, hook_state, log)`` evaluates the program under ``jax.vjp`` through the
+  runner, and returns ``(out, aux, pull)``. ``pull(seed)`` returns ``(grads, captured, new
+  hook state)`` with one gradient per differentiated argument; the host deliveries of the
+  backward pass (``vk.on_host`` hooks, then capture ``host=``) are chained and tied ONCE to
+  everything it returns.
+* ``init_hook_state(traced)`` gives the initial ``HookState`` of the configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from .. import _context, _hooks, _host
+from .._capture import CaptureSpec, as_specs
+from .._errors import ConfigError
+from .._hook_base import HookState
+from . import _handlers, _slots
+from ._plan import Plan, Site
+from ._run import Runner
+
+
+def configure(hooks: Any = None, capture: Any = None, transform: str = "vk.grad") -> _context.Config:
+    """The configuration of one transformed function; ``hooks`` may be already-normalised pairs."""
+    normalised = isinstance(hooks, tuple) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], tuple)
+        for p in hooks
+    )
+    pairs = hooks if normalised else _context.normalize_hooks(hooks, transform)
+    ready = isinstance(capture, tuple) and all(isinstance(c, CaptureSpec) for c in capture)
+    specs = capture if ready else as_specs(capture, transform)
+    return _context.Config(pairs, specs, transform)
+
+
+@dataclasses.dataclass
+class Traced:
+    """A traced program and its plan.
+
+    Attributes:
+        closed: the program, ``flat(*leaves) -> (out leaves, aux leaves)``.
+        plan: its ``Plan``; out_tree: the treedef of ``(out, aux)``; n_out: leaves of ``out``.
+        leaves: the differentiated leaves; tree: their treedef (a list, one entry per argnum).
+    """
+
+    closed: Any
+    plan: Plan
+    out_tree: Any
+    n_out: int
+    leaves: list
+    tree: Any
+
+
+def trace(
+    config: _context.Config,
+    fun: Callable,
+    args: Sequence,
+    kwargs: dict | None = None,
+    *,
+    argnums: Sequence[int] | None = None,
+    has_aux: bool = False,
+    check: bool = True,
+) -> Traced:
+    """Traces ``fun(*args, **kwargs)`` once with every layer call marked, and plans it.
+
+    With ``check``, a hook or capture glob that matches no layer call is a ``ConfigError``.
+    """
+    kwargs = kwargs or {}
+    nums = tuple(range(len(args))) if argnums is None else tuple(argnums)
+    leaves, tree = jax.tree.flatten([args[i] for i in nums])
+
+    def flat(*leaves):
+        full = list(args)
+        for i, d in zip(nums, jax.tree.unflatten(tree, leaves)):
+            full[i] = d
+        out = fun(*full, **kwargs)
+        return (out[0], out[1]) if has_aux else (out, None)
+
+    # Called eagerly (no argument is traced), what does not depend on the differentiated
+    # arguments is computed as it is written, as eager jax.grad does: a loss may read concrete
+    # values of its other arguments (int(y.max())).
+    eager = not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs)))
+
+    def marked(*leaves):
+        with _context.activate(_context.LAYERS):
+            if eager:
+                with jax.ensure_compile_time_eval():
+                    return flat(*leaves)
+            return flat(*leaves)
+
+    closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
+    out_tree = jax.tree.structure(shape)
+    n_out = len(jax.tree.leaves(shape[0]))
+    plan = Plan(config, closed.jaxpr, [True] * len(leaves), _handlers.default())
+    if check:
+        config.check_matched(plan.names)
+    return Traced(closed, plan, out_tree, n_out, leaves, tree)
+
+
+def linearize(traced: Traced, hook_state: Any = None, log: list | None = None):
+    """``(out, aux, pull)`` of the traced program (see the module contract).
+
+    ``pull`` is a ``jax.tree_util.Partial`` (a pytree, so ``jit`` can take it). ``log``, when
+    given, receives the key of every call whose backward pass runs, in backward order, at trace
+    time.
+    """
+    plan = traced.plan
+    runner = Runner(plan, _handlers.default(log), compile_calls=log is None)
+    probes0 = _slots.probes(plan)
+    states0 = _slots.layer_states(plan, hook_state)
+
+    def program(leaves, probes, states):
+        outs, states = runner.eval(traced.closed.jaxpr, traced.closed.consts, leaves, (), probes, states)
+        return (outs[: traced.n_out], states), outs[traced.n_out :]
+
+    (outs, _), pullback, aux_leaves = jax.vjp(program, list(traced.leaves), probes0, states0, has_aux=True)
+    out_shape, aux_shape = jax.tree.unflatten(traced.out_tree, [0] * traced.out_tree.num_leaves)
+    out = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    aux = jax.tree.unflatten(jax.tree.structure(aux_shape), aux_leaves)
+    pull = jax.tree_util.Partial(functools.partial(_pull, plan, traced.tree), pullback, states0, hook_state)
+    return out, aux, pull
+
+
+def _pull(plan: Plan, tree: Any, pullback: Callable, states0: dict, hook_state: Any, seed: Any) -> tuple:
+    g_leaves, g_probes, g_states = pullback((list(jax.tree.leaves(seed)), states0))
+    captured = _slots.read_captured(plan, g_probes)
+    host, token = _slots.send_host(plan, g_probes, hook_state)
+    state = _slots.new_state(plan, hook_state, g_states, host)
+    state, token = _slots.deliver(plan.config, captured, state, after=token)
+    grads = jax.tree.unflatten(tree, g_leaves)
+    return _host.tie(token, (grads, captured, state))
+
+
+def init_hook_state(traced: Traced) -> HookState:
+    """Initial states of every stateful call of the traced program, and the host counters."""
+    return _slots.init_states(traced.plan, _forward_values(traced))
+
+
+def _forward_values(traced: Traced) -> Callable[[Site], Any]:
+    """``params(site)``: the params a stateful call used, for its hooks' ``init``.
+
+    An ``init`` that reads only shapes (all of vjpkit's) is evaluated on shapes. One that reads
+    values gets them from one forward evaluation; inside ``lax.scan`` or ``lax.cond`` a call
+    has no single params value, which is an error.
+    """
+    cache: dict[str, Any] = {}
+
+    def params(site: Site) -> Any:
+        def init(p):
+            return _hooks.init_state(site.hooks, p)
+
+        closed = jax.make_jaxpr(init)(site.record.params)
+        if not _depends(closed.jaxpr):
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), site.record.params)
+        if site.scans or site.in_cond:
+            raise ConfigError(
+                f"{traced.plan.config.transform}: the init of the hooks on layer {site.key!r} reads its "
+                "params' values, but the layer runs inside lax.scan or lax.cond, where its params "
+                "differ per iteration or branch. Make init depend on shapes only (jnp.zeros_like)."
+            )
+        if not cache:
+            _collect(traced, cache)
+        return cache[site.key]
+
+    return params
+
+
+def _depends(jaxpr: Any) -> bool:
+    """Whether any output of ``jaxpr`` depends on its inputs."""
+    live = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(a, jcore.Literal) and a in live for a in eqn.invars):
+            live.update(eqn.outvars)
+    return any(not isinstance(v, jcore.Literal) and v in live for v in jaxpr.outvars)
+
+
+def _collect(traced: Traced, out: dict) -> None:
+    plan = traced.plan
+
+    class Collect(Runner):
+        def layer(self, eqn, invals, p, probes, states):
+            site = plan.sites[p]
+            out.setdefault(site.key, site.layout.split(invals)[1][0])
+            inner = site.span.jaxpr
+            return self.eval(inner.jaxpr, inner.consts, invals, p, probes, states)
+
+    Collect(plan).eval(traced.closed.jaxpr, traced.closed.consts, list(traced.leaves), (), {}, {})

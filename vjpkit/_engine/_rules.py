@@ -1,0 +1,214 @@
+"""Rules per primitive: how the plan walks an equation and how the runner evaluates it, side by side.
+
+Contract: ``RULES`` maps a primitive name to a ``Rule(plan, eval)``; ``rule_for(eqn)`` gives the
+rule of an equation (``SITE`` for an equation a site source recognises, ``DEFAULT`` for any
+other primitive). Adding a primitive is one entry here.
+
+* ``plan(planner, eqn, ins, at) -> out flags``: the forward dataflow "may carry a gradient"
+  over the equation's outputs, given its inputs' flags ``ins``; ``at`` is the ``At`` of the
+  equation (path, enclosing scans, inside a cond, whether to register sites). It walks nested
+  programs with ``planner.walk`` and registers layer calls with ``planner.site``.
+* ``eval(runner, eqn, invals, p, probes, states) -> (outs, states)``: evaluates an equation that
+  holds active layer calls (at path ``p``), threading the probes and hook states of the calls
+  inside it (``runner.mine``); equations that hold none are bound as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+
+
+class At(NamedTuple):
+    """Where the planner is: the equation's path, enclosing scans, inside a cond, registering."""
+
+    path: tuple
+    scans: tuple = ()  # ((path, length), ...) of the enclosing lax.scan s, outermost first
+    in_cond: bool = False
+    register: bool = True
+
+    def to(self, path: tuple, **changes: Any) -> At:
+        return self._replace(path=path, **changes)
+
+
+class Rule(NamedTuple):
+    """How one primitive is planned and evaluated (see the module contract)."""
+
+    plan: Callable
+    eval: Callable
+
+
+# --- default: any other primitive ---------------------------------------------------------------
+
+
+def _plan_default(planner, eqn, ins, at):
+    if eqn.primitive.name == "stop_gradient":
+        return [False] * len(eqn.outvars)
+    if at.register:  # a program inside that the engine does not rewrite: its layer calls warn
+        planner.unreachable(eqn)
+    return [any(ins)] * len(eqn.outvars)
+
+
+def _eval_default(runner, eqn, invals, p, probes, states):
+    return runner.bind(eqn, invals), states
+
+
+DEFAULT = Rule(_plan_default, _eval_default)
+
+
+# --- a site: an equation a site source recognises (a vjpkit_layer equation) ---------------------
+
+
+def _plan_site(planner, eqn, ins, at):
+    return planner.site(eqn, ins, at)
+
+
+def _eval_site(runner, eqn, invals, p, probes, states):
+    return runner.layer(eqn, invals, p, probes, states)
+
+
+SITE = Rule(_plan_site, _eval_site)
+
+
+# --- lax.scan -------------------------------------------------------------------------------------
+
+
+def _plan_scan(planner, eqn, ins, at):
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    body = eqn.params["jaxpr"].jaxpr
+    consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+    while True:  # the carry's flags to a fixed point, registering nothing
+        outs = planner.walk(body, consts + carry + xs, at._replace(register=False))
+        new = [a or b for a, b in zip(carry, outs[:ncar])]
+        if new == carry:
+            break
+        carry = new
+    inner = at._replace(scans=(*at.scans, (at.path, eqn.params["length"])))
+    return planner.walk(body, consts + carry + xs, inner)
+
+
+def _eval_scan(runner, eqn, invals, p, probes, states):
+    """Re-scanned with the calls' probes stacked as ``xs`` and their states in the carry."""
+    params = eqn.params
+    nc, ncar = params["num_consts"], params["num_carry"]
+    body = params["jaxpr"]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+    pr, st = runner.mine(p, probes, states)
+
+    def step(carry, x):
+        c, s = carry
+        xx, prx = x
+        outs, s = runner.eval(body.jaxpr, body.consts, [*consts, *c, *xx], p, prx, s)
+        return (outs[:ncar], s), outs[ncar:]
+
+    (c_out, st), ys = lax.scan(
+        step,
+        (list(init), st),
+        (list(xs), pr),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*c_out, *ys], {**states, **st}
+
+
+# --- lax.cond / switch ----------------------------------------------------------------------------
+
+
+def _plan_cond(planner, eqn, ins, at):
+    """Each branch restarts from the same call counts, so a layer in either branch has one key."""
+    before = dict(planner.counts)
+    after: list[dict] = []
+    outs = None
+    for k, branch in enumerate(eqn.params["branches"]):
+        planner.counts = dict(before)
+        o = planner.walk(branch.jaxpr, ins[1:], at.to((*at.path, "b", k), in_cond=True))
+        outs = o if outs is None else [a or b for a, b in zip(outs, o)]
+        after.append(planner.counts)
+    names = set().union(*after)
+    planner.counts = {n: max(c.get(n, 0) for c in after) for n in names}
+    return outs
+
+
+def _eval_cond(runner, eqn, invals, p, probes, states):
+    """Probes and states are operands of the switch: only the branch taken writes them."""
+    index, ops = invals[0], invals[1:]
+    pr, st = runner.mine(p, probes, states)
+
+    def branch(k, jaxpr, ops, pr, st):
+        outs, new = runner.eval(jaxpr.jaxpr, jaxpr.consts, ops, (*p, "b", k), pr, st)
+        return outs, {key: new[key] for key in st}
+
+    fns = [functools.partial(branch, k, br) for k, br in enumerate(eqn.params["branches"])]
+    outs, st = lax.switch(index, fns, list(ops), pr, st)
+    return outs, {**states, **st}
+
+
+# --- inner jax.jit and other call primitives: inlined (eager: one cached compiled call) ------------
+
+
+def _plan_call(planner, eqn, ins, at):
+    inner = eqn.params["jaxpr"]
+    return planner.walk(getattr(inner, "jaxpr", inner), ins, at, planner.origins_of(eqn))
+
+
+def _eval_call(runner, eqn, invals, p, probes, states):
+    if eqn.primitive.name in ("jit", "pjit") and runner.can_compile(invals, probes, states):
+        return runner.compiled(eqn, invals, p, probes, states)
+    inner = eqn.params["jaxpr"]
+    return runner.eval(inner.jaxpr, inner.consts, invals, p, probes, states)
+
+
+# --- jax.checkpoint: re-checkpointed ----------------------------------------------------------------
+
+
+def _plan_remat(planner, eqn, ins, at):
+    return planner.walk(eqn.params["jaxpr"], ins, at, planner.origins_of(eqn))
+
+
+def _eval_remat(runner, eqn, invals, p, probes, states):
+    params = eqn.params
+    pr, st = runner.mine(p, probes, states)
+
+    def body(invals, pr, st):
+        return runner.eval(params["jaxpr"], (), invals, p, pr, st)
+
+    remat = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
+    outs, st = remat(invals, pr, st)
+    return outs, {**states, **st}
+
+
+# --- programs the engine does not rewrite: their layer calls run plain, with a warning ---------------
+
+
+OPAQUE = DEFAULT  # named for the table: the default rule already warns about calls inside
+
+_CALL = Rule(_plan_call, _eval_call)
+RULES: dict[str, Rule] = {
+    "scan": Rule(_plan_scan, _eval_scan),
+    "cond": Rule(_plan_cond, _eval_cond),
+    "jit": _CALL,
+    "pjit": _CALL,
+    "closed_call": _CALL,
+    "core_call": _CALL,
+    "checkpoint": Rule(_plan_remat, _eval_remat),
+    "remat2": Rule(_plan_remat, _eval_remat),
+    "custom_jvp_call": OPAQUE,
+    "custom_vjp_call": OPAQUE,
+    "custom_vjp_call_jaxpr": OPAQUE,
+    "while": OPAQUE,
+}
+
+
+def rule_for(eqn: Any, is_site: Callable[[Any], bool]) -> Rule:
+    """The rule of ``eqn``: ``SITE`` when a site source recognises it, else its primitive's."""
+    if is_site(eqn):
+        return SITE
+    rule = RULES.get(eqn.primitive.name, DEFAULT)
+    if rule is _CALL and "jaxpr" not in eqn.params:
+        return DEFAULT
+    return rule
