@@ -46,40 +46,11 @@ def _setup():
 DENSES = ["Dense_0", "Encoder_0/Dense_0", "Encoder_0/Dense_1", "head"]
 
 
-def _sub(tree, name):
-    for part in name.split("/"):
-        tree = tree[part]
-    return tree
-
-
 def test_names_follow_flax_paths():
     _, params, x, y, loss = _setup()
     names = []
     vk.grad(loss, hooks={"*": lambda rec: names.append((rec.name, rec.call))})(params, x, y)
     assert sorted(names) == sorted([(n, 0) for n in [*DENSES, "Encoder_0", "LayerNorm_0", "Model"]])
-
-
-def test_records_match_jax_grad_and_dense_algebra(maybe_jit):
-    _, params, x, y, loss = _setup()
-    expected = jax.grad(loss)(params, x, y)
-    grads, captured = maybe_jit(vk.grad(loss, capture=["Dense_*", "Encoder_0/Dense_*", "head"]))(params, x, y)
-    tree_allclose(grads, expected)
-    assert sorted(captured) == sorted(DENSES)
-    for name in DENSES:
-        rec = captured[name]
-        tree_allclose(rec.params, _sub(params, name))
-        tree_allclose(rec.grad_params, _sub(expected, name), rtol=1e-5, atol=1e-6)
-        w, xin, g = rec.params["kernel"], rec.input, rec.grad_output
-        np.testing.assert_allclose(rec.output, xin @ w + rec.params["bias"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(rec.grad_params["kernel"], xin.T @ g, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(rec.grad_params["bias"], g.sum(0), rtol=1e-5, atol=1e-6)
-        if name == "Dense_0":
-            assert rec.grad_input is None  # the data batch needs no gradient
-        else:
-            np.testing.assert_allclose(rec.grad_input, g @ w.T, rtol=1e-5, atol=1e-6)
-    # the chain: head's grad_output is the loss's cotangent of the model output
-    out = Model().apply({"params": params}, x)
-    np.testing.assert_allclose(captured["head"].grad_output, 2 * (out - y) / out.size, rtol=1e-5)
 
 
 def test_parent_hook_sees_parent_call_and_children_recorded():
@@ -97,27 +68,6 @@ def test_parent_hook_sees_parent_call_and_children_recorded():
     tree_allclose(enc.grad_params, expected["Encoder_0"], rtol=1e-5, atol=1e-6)
     tree_allclose(enc.grad_output, seen["Encoder_0/Dense_1"].grad_output)
     tree_allclose(enc.grad_input, seen["Encoder_0/Dense_0"].grad_input, rtol=1e-5, atol=1e-6)
-
-
-def test_rewriting_hook_changes_exactly_upstream_gradients(maybe_jit):
-    _, params, x, y, loss = _setup()
-    expected = jax.grad(loss)(params, x, y)
-    double = lambda rec: rec.replace(grad_input=2.0 * rec.grad_input)
-    grads = maybe_jit(vk.grad(loss, hooks={"Encoder_0/Dense_0": double}))(params, x, y)
-    # Only what lies upstream of Encoder_0/Dense_0 (below it in the network) doubles.
-    tree_allclose(grads["Dense_0"], jax.tree.map(lambda a: 2.0 * a, expected["Dense_0"]), rtol=1e-5)
-    for key in ("Encoder_0", "LayerNorm_0", "head"):
-        tree_allclose(grads[key], expected[key])
-
-
-def test_zeroing_a_named_module_zeroes_its_params_only():
-    _, params, x, y, loss = _setup()
-    expected = jax.grad(loss)(params, x, y)
-    zero = lambda rec: rec.replace(grad_params=jax.tree.map(jnp.zeros_like, rec.grad_params))
-    grads = vk.grad(loss, hooks={"head": zero})(params, x, y)
-    tree_allclose(grads["head"], jax.tree.map(jnp.zeros_like, expected["head"]))
-    for key in ("Dense_0", "Encoder_0", "LayerNorm_0"):
-        tree_allclose(grads[key], expected[key])
 
 
 def test_plain_outside_transforms_and_dropout_rng_unchanged(maybe_jit):

@@ -37,20 +37,11 @@ class Net(nnx.Module):
         return self.head(x)
 
 
-DENSES = ["fc1", "blocks/0/attn", "blocks/1/attn", "head"]
-
-
 def _setup():
     model = Net(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (4, 3))
     y = jax.random.normal(jax.random.key(2), (4, 2))
     return model, x, y
-
-
-def _sub(state, name):
-    for part in name.split("/"):
-        state = state[int(part) if part.isdigit() else part]
-    return state
 
 
 def test_hookable_keeps_graph_state_and_outputs():
@@ -66,7 +57,7 @@ def test_hookable_keeps_graph_state_and_outputs():
     tree_allclose(jax.vmap(lambda xi: nnx.merge(graphdef2, state2)(xi[None])[0])(x), out, rtol=1e-6)
 
 
-def test_names_and_records_match_jax_grad_and_algebra(maybe_jit):
+def test_names_follow_attribute_paths_and_grads_equal_jax_grad():
     model, x, y = _setup()
     graphdef, state = nnx.split(vk.hookable(model))
 
@@ -75,25 +66,12 @@ def test_names_and_records_match_jax_grad_and_algebra(maybe_jit):
 
     expected = jax.grad(loss)(state, x, y)
     names = []
-    vk.grad(loss, hooks={"*": lambda rec: names.append(rec.name)})(state, x, y)
+    grads = vk.grad(loss, hooks={"*": lambda rec: names.append(rec.name)})(state, x, y)
     assert sorted(names) == sorted(
         ["Net", "fc1", "head", "blocks/0", "blocks/1"]
         + [f"blocks/{i}/{n}" for i in (0, 1) for n in ("norm", "attn")]
     )
-    grads, captured = maybe_jit(vk.grad(loss, capture=["fc1", "blocks/*/attn", "head"]))(state, x, y)
-    assert jax.tree.structure(grads) == jax.tree.structure(expected)
-    tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
-    pure_params, pure_grads = nnx.to_pure_dict(state), nnx.to_pure_dict(expected)
-    for name in DENSES:
-        rec = captured[name]
-        tree_allclose(rec.params, _sub(pure_params, name))
-        tree_allclose(rec.grad_params, _sub(pure_grads, name), rtol=1e-5, atol=1e-6)
-        w, xin, g = rec.params["kernel"], rec.input, rec.grad_output
-        np.testing.assert_allclose(rec.output, xin @ w + rec.params["bias"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(rec.grad_params["kernel"], xin.T @ g, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(rec.grad_params["bias"], g.sum(0), rtol=1e-5, atol=1e-6)
-        if name != "fc1":
-            np.testing.assert_allclose(rec.grad_input, g @ w.T, rtol=1e-5, atol=1e-6)
+    tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)  # residual blocks with LayerNorm, all hooked
 
 
 def test_rewriting_hook_changes_exactly_upstream_gradients(maybe_jit):
