@@ -144,8 +144,7 @@ def test_gradient_flow_of_a_generator_and_into_given_axes(tmp_path, history):
 
 
 def test_gradient_flow_from_a_recorder(tmp_path, history):
-    recorder_module = pytest.importorskip("vjpkit.inspect._recorder")
-    recorder = recorder_module.Recorder(last=10)
+    recorder = vk.inspect.Recorder(last=10)
     for step, captured in history:
         recorder.update(step, captured)
     got = plots.gradient_flow_series(recorder)
@@ -293,9 +292,8 @@ def test_backward_shapes_of_plain_rows_and_explain_rows(tmp_path, setup):
     plots.plot_backward_shapes(rows, path=tmp_path / "p.png")
     png_size(tmp_path / "p.png")
 
-    explain_module = pytest.importorskip("vjpkit.inspect._explain")
     params, (x, y) = setup
-    explained = explain_module.explain(mlp_loss, params, x, y, file=io.StringIO())
+    explained = vk.explain(mlp_loss, params, x, y, file=io.StringIO())
     table = plots._shape_rows(explained)  # explain's rows come in forward order
     assert [r["name"] for r in table] == ["fc3", "relu2", "fc2", "relu1", "fc1"]
     plots.plot_backward_shapes(explained, path=tmp_path / "e.png")

@@ -87,6 +87,7 @@ def state_avals(hooks: Sequence[Callable], params: Any) -> Any:
     return avals if is_stateful(avals) else None
 
 
+_EXACT = "A replacement must match the original cotangent exactly; cast it yourself if you mean to."
 _FIELDS = ("params", "input", "output", "grad_output", "grad_input", "grad_params")
 
 
@@ -179,7 +180,7 @@ def validate(rec: Cotangents, new: Any, hook: Callable, phase: str = "after") ->
                 new.grad_output,
                 what=f"{who}, field 'grad_output'",
                 error=HookError,
-                hint="A replacement must match the original cotangent exactly; cast it yourself if you mean to.",
+                hint=_EXACT,
             )
         return new
     for field in ("grad_input", "grad_params"):

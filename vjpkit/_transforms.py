@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from ._errors import ConfigError, HookError
-from ._hooks import HookTransform
+from ._hook_base import HookTransform
 from ._records import Cotangents
 
 _FIELDS = ("grad_params", "grad_input")

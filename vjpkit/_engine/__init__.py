@@ -25,9 +25,11 @@ from ._plan import Plan as Plan
 from ._plan import Site as Site
 from ._rules import RULES as RULES
 from ._rules import Rule as Rule
+from ._rules import registered_rule as registered_rule
 from ._site import SOURCES as SOURCES
 from ._site import Layout as Layout
 from ._site import Span as Span
+from ._site import registered_source as registered_source
 
 __all__ = [
     "RULES",
@@ -43,5 +45,7 @@ __all__ = [
     "configure",
     "init_hook_state",
     "linearize",
+    "registered_rule",
+    "registered_source",
     "trace",
 ]

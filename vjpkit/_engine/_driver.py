@@ -76,10 +76,12 @@ def trace(
     argnums: Sequence[int] | None = None,
     has_aux: bool = False,
     check: bool = True,
+    handlers: Sequence[_handlers.Handler] = (),
 ) -> Traced:
     """Traces ``fun(*args, **kwargs)`` once with every layer call marked, and plans it.
 
     With ``check``, a hook or capture glob that matches no layer call is a ``ConfigError``.
+    ``handlers`` run after the default ones (hooks, capture, host) on every active call.
     """
     kwargs = kwargs or {}
     nums = tuple(range(len(args))) if argnums is None else tuple(argnums)
@@ -107,7 +109,7 @@ def trace(
     closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
     out_tree = jax.tree.structure(shape)
     n_out = len(jax.tree.leaves(shape[0]))
-    plan = Plan(config, closed.jaxpr, [True] * len(leaves), _handlers.default())
+    plan = Plan(config, closed.jaxpr, [True] * len(leaves), _handlers.chain(_handlers.default(), *handlers))
     if check:
         config.check_matched(plan.names)
     return Traced(closed, plan, out_tree, n_out, leaves, tree)
@@ -121,7 +123,8 @@ def linearize(traced: Traced, hook_state: Any = None, log: list | None = None):
     time.
     """
     plan = traced.plan
-    runner = Runner(plan, _handlers.default(log), compile_calls=log is None)
+    handler = plan.handlers if log is None else _handlers.chain(_handlers.log(log), plan.handlers)
+    runner = Runner(plan, handler, compile_calls=log is None)
     probes0 = _slots.probes(plan)
     states0 = _slots.layer_states(plan, hook_state)
 

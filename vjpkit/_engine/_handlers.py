@@ -113,12 +113,6 @@ def log(keys: list) -> Handler:
     return Handler(after=after)
 
 
-def default(keys: list | None = None) -> Handler:
-    """The handlers of every vjpkit transform: hooks, capture and host; the log when asked."""
-    parts = [hooks(), capture()] if keys is None else [log(keys), hooks(), capture()]
-    return chain(*parts)
-
-
-def wants_before(site: Any) -> bool:
-    """Whether ``site`` has a hook that runs before its VJP (so the rule builds a pre-record)."""
-    return any(is_before(h) for h in site.hooks)
+def default() -> Handler:
+    """The handlers of every vjpkit transform: hooks (and host hooks), then capture."""
+    return chain(hooks(), capture())

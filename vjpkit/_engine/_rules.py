@@ -15,8 +15,9 @@ other primitive). Adding a primitive is one entry here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -212,3 +213,18 @@ def rule_for(eqn: Any, is_site: Callable[[Any], bool]) -> Rule:
     if rule is _CALL and "jaxpr" not in eqn.params:
         return DEFAULT
     return rule
+
+
+@contextlib.contextmanager
+def registered_rule(name: str, rule: Rule) -> Iterator[None]:
+    """``RULES[name] = rule`` for the duration (push/pop: the previous rule comes back)."""
+    missing = object()
+    previous = RULES.get(name, missing)
+    RULES[name] = rule
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del RULES[name]
+        else:
+            RULES[name] = previous

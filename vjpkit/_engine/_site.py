@@ -13,7 +13,8 @@ arrays (the rule) or from shapes (the plan).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -100,3 +101,18 @@ def record(
         grad_input=_collapse(g_inputs[0] if single else g_inputs),
         grad_params=_collapse(g_params),
     )
+
+
+@contextlib.contextmanager
+def registered_source(primitive: Any, source: Callable[[Any], Span | None]) -> Iterator[None]:
+    """``SOURCES[primitive] = source`` for the duration (push/pop: the previous one comes back)."""
+    missing = object()
+    previous = SOURCES.get(primitive, missing)
+    SOURCES[primitive] = source
+    try:
+        yield
+    finally:
+        if previous is missing:
+            del SOURCES[primitive]
+        else:
+            SOURCES[primitive] = previous

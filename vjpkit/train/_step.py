@@ -164,11 +164,9 @@ def build_step(
 
 def init_hook_state(loss_fn: Callable, hooks: Any, capture: Any, params: Any, batch: Any) -> dict:
     """The initial ``hook_state`` for ``make_step``'s hooks (``{}`` when none keeps state)."""
-    from .. import init_hook_state as _init  # the public name: the core behind it may move
-
     if hooks is None and capture is None:
         return {}
     g = _autodiff.value_and_grad(loss_fn, hooks=hooks, capture=capture)
     if _wants_key(loss_fn):
-        return _init(g, params, batch, key=jax.random.PRNGKey(0))
-    return _init(g, params, batch)
+        return _autodiff.init_hook_state(g, params, batch, key=jax.random.PRNGKey(0))
+    return _autodiff.init_hook_state(g, params, batch)
