@@ -61,6 +61,8 @@ REDUCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "max": lambda x: jnp.max(_flat32(x)),
     "nonfinite_count": lambda x: jnp.sum(~jnp.isfinite(_stored(x).ravel())).astype(jnp.float32),
 }
+# every reduction name a captured record may be keyed by (the REDUCTIONS and "histogram")
+REDUCTION_NAMES = frozenset([*REDUCTIONS, "histogram"])
 
 
 class histogram(NamedTuple):  # noqa: N801  (used like a reduction name)

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._records import _describe, spec
+from ._format import describe as _describe
+from ._format import spec
+from ._format import where as _where
 
 
 def check_like(expected: Any, got: Any, *, what: str, error: type[Exception], hint: str = "") -> None:
@@ -36,7 +38,7 @@ def check_like(expected: Any, got: Any, *, what: str, error: type[Exception], hi
             f"{what}: wrong pytree structure. Expected {_describe(expected)}, got {_describe(got)}.{tail}"
         )
     for (path, e), (_, g) in zip(exp_leaves, got_leaves):
-        where = f"{what}, path {jax.tree_util.keystr(path) or '(root)'}"
+        where = f"{what}, path {_where(path)}"
         if getattr(g, "shape", None) is None or getattr(g, "dtype", None) is None:
             raise error(f"{where}: expected an array {spec(e)}, got {spec(g)}.{tail}")
         dtype_differs = np.dtype(g.dtype) != np.dtype(e.dtype)
@@ -58,6 +60,6 @@ def require_inexact(tree: Any, what: str, *, error: type[Exception], hint: str) 
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.inexact):
             raise error(
-                f"{what}, path {jax.tree_util.keystr(path) or '(root)'}, has dtype {np.dtype(dtype).name}; "
+                f"{what}, path {_where(path)}, has dtype {np.dtype(dtype).name}; "
                 f"it is differentiated, so it must be a float or complex array. {hint}"
             )

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _context, _engine, _hooks
+from . import _context, _engine, _format, _hooks
 from ._autodiff import grad as _vk_grad
 from ._check import check_like, require_inexact
 from ._errors import ConfigError, SeedError
@@ -137,7 +137,7 @@ def _check_float0(expected: Any, got: Any, *, what: str, hint: str) -> None:
             getattr(x, "dtype", None) is not None and np.dtype(x.dtype) == jax.dtypes.float0 for x in (e, g)
         ]
         if is_float0[0] != is_float0[1] or (is_float0[0] and tuple(np.shape(g)) != tuple(e.shape)):
-            where = jax.tree_util.keystr(path) or "(root)"
+            where = _format.where(path)
             raise SeedError(f"{what}, path {where}: expected {spec(e)}, got {spec(g)}. {hint}")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from . import _context
+from . import _context, _format
 from ._check import check_like
 from ._errors import ConfigError, HookError
 from ._hook_base import HookTransform, inner, is_before, is_deferred
@@ -119,7 +119,7 @@ def check_float_state(state: Any, key: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-            where = jax.tree_util.keystr(path) or "(root)"
+            where = _format.where(path)
             raise ConfigError(
                 f"hook state of layer {key!r}, path {where}: leaves must be floating-point arrays, got "
                 f"{getattr(dtype, 'name', type(leaf).__name__)}. State travels through the backward pass "

@@ -18,39 +18,8 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
-
-def dtype_name(dtype: Any) -> str:
-    """``float32``, ``bfloat16``, ... and ``float0`` (which numpy calls ``void``)."""
-    return "float0" if dtype == jax.dtypes.float0 else np.dtype(dtype).name
-
-
-def spec(x: Any) -> str:
-    """``float32[4,3]`` for an array-like (``float0`` named as such), ``repr`` for anything else.
-
-    The one shape formatter of vjpkit's messages.
-    """
-    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-    if shape is None or dtype is None:
-        return f"{type(x).__name__} {x!r}"
-    return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
-
-
-def _describe(tree: Any) -> str:
-    """Shapes and dtypes of a pytree, compactly: ``f32[4,3]`` or ``{'bias': f32[3]}``."""
-
-    def leaf(x):
-        if x is None:
-            return None
-        if getattr(x, "shape", None) is None or getattr(x, "dtype", None) is None:
-            return repr(x)
-        return spec(x)
-
-    if tree is None:
-        return "None"
-    described = jax.tree.map(leaf, tree)
-    return str(described).replace("'", "") if not isinstance(described, str) else described
+from ._format import describe
 
 
 def call_key(name: str, call: int) -> str:
@@ -78,7 +47,7 @@ class _Record:
 
     def __repr__(self) -> str:
         fields = ", ".join(
-            f"{f.name}={_describe(getattr(self, f.name))}"
+            f"{f.name}={describe(getattr(self, f.name))}"
             for f in dataclasses.fields(self)
             if f.name not in ("name", "call")
         )

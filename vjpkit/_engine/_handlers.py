@@ -18,7 +18,7 @@ none of the modules used here; a new consumer of records is one more handler in 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 

@@ -33,7 +33,7 @@ import numpy as np
 from .. import _engine
 from .._capture import FIELDS, capture
 from .._errors import ConfigError
-from .._records import dtype_name
+from .._format import path, spec
 
 MEANING = {
     "input": "x, the forward input of the call (a tuple when the layer takes several inputs).",
@@ -61,16 +61,6 @@ NO_LAYER = (
 # --- small rendering helpers (shared with the other inspect modules) ----------------------
 
 
-def spec_str(x: Any) -> str:
-    """``float32[64,10]`` for an array-like (``float32[]`` for a scalar), ``None`` for None."""
-    if x is None:
-        return "None"
-    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-    if shape is None or dtype is None:
-        return repr(x)
-    return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
-
-
 def tree_lines(tree: Any) -> list[str]:
     """One line per leaf: ``spec`` for a bare array, ``path: spec`` inside a container."""
     if tree is None:
@@ -79,21 +69,8 @@ def tree_lines(tree: Any) -> list[str]:
     if not leaves:
         return ["{}" if isinstance(tree, dict) else "()"]
     if len(leaves) == 1 and not leaves[0][0]:
-        return [spec_str(leaves[0][1])]
-    return [f"{path_str(path)}: {spec_str(leaf)}" for path, leaf in leaves]
-
-
-def path_str(path: Sequence[Any]) -> str:
-    """A tree path as ``weight`` or ``0/bias`` (``""`` for the root)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
+        return [spec(leaves[0][1])]
+    return [f"{path(path)}: {spec(leaf)}" for path, leaf in leaves]
 
 
 def plain_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -206,7 +183,7 @@ def _meanings(row: dict, nums: tuple[int, ...], first_backward: bool, shared: bo
     elif not jax.tree.leaves(gp):
         m["grad_params"] = f"{{}}: {name} has no parameters."
     else:
-        entries = ", ".join(path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(gp)[0])
+        entries = ", ".join(path(p) for p, _ in jax.tree_util.tree_flatten_with_path(gp)[0])
         m["grad_params"] = (
             f"dL/d({entries}) of this call only, keyed like params"
             + (f"; the gradient of {row['name']}'s shared params is the sum over its calls" if shared else "")
@@ -244,7 +221,7 @@ def _header(fname: str, out: Any, kind: str, nums: tuple[int, ...], rows: list[d
     which = ", ".join(f"args[{i}]" for i in nums)
     if kind == "loss":
         how = [
-            f"{fname} returns a scalar ({spec_str(out)}): a loss. Reverse mode starts from the seed",
+            f"{fname} returns a scalar ({spec(out)}): a loss. Reverse mode starts from the seed",
             f"dL/dL = 1.0 and differentiates with respect to {which}, as vk.grad does.",
         ]
     else:

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _engine
+from .. import _engine, _format
 from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import capture as _capture
 from .._errors import ConfigError
@@ -107,11 +107,6 @@ class _Call:
     container: bool = False  # a foreign call that contains other layer calls (a parent module)
 
 
-def _path_name(path: Sequence[Any]) -> str:
-    """``fc1/weight``: dict keys, attribute names and indices joined by ``/``."""
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-
-
 def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_Call]:
     """The layer calls of ``loss_fn`` in forward order, with the params leaves each one uses."""
     config = _engine.configure(None, None, who)
@@ -131,7 +126,7 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
         paths = jax.tree_util.tree_flatten_with_path(site.record.params)[0]
         entries, derived, order = {}, [], []
         for (path, aval), origin, flag in zip(paths, site.origins[n:], site.flags[n:]):
-            local_name = _path_name(path)
+            local_name = _format.path(path)
             if origin is None and flag:
                 derived.append(local_name)
             entries[local_name] = (origin, tuple(aval.shape))
@@ -403,7 +398,7 @@ def _local_per_example(call: _Call, param_leaves: list, x: Any, d: Any) -> dict[
         return pullback(di.astype(jnp.result_type(di)))[0]
 
     g = jax.vmap(one)(x, d)
-    return {_path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]}
+    return {_format.path(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]}
 
 
 def _conv_per_example(x: jax.Array, d: jax.Array, kernel_shape, strides, pads) -> jax.Array:
@@ -459,7 +454,7 @@ def analyze(
     """
     batch_size = _batch_size(batch, who)
     flat_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [_path_name(p) for p, _ in flat_paths]
+    paths = [_format.path(p) for p, _ in flat_paths]
     calls = [c for c in _map_calls(loss_fn, params, batch, who) if not c.container]
     conv = dict(conv or {})
 

@@ -28,12 +28,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._capture import REDUCTIONS, histogram
+from .. import _format
+from .._capture import REDUCTION_NAMES, histogram
 from .._errors import ConfigError
-from .._records import Cotangents, dtype_name
+from .._records import Cotangents
 
 DPI = 120
-_REDUCTION_NAMES = frozenset(REDUCTIONS) | {"histogram"}
 _MEANING = {
     "grad_output": "dL/dy",
     "grad_input": "dL/dx",
@@ -129,18 +129,13 @@ def _leaves(value: Any) -> list[tuple[str, Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_reduction_dict)
     out = []
     for path, leaf in flat:
-        out.append((_path(path), leaf))
+        out.append((_format.path(path), leaf))
     return out
-
-
-def _path(path: Any) -> str:
-    """``weight``, ``0/bias``: dict keys, attribute names and indices joined by ``/``."""
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def _is_reduction_dict(x: Any) -> bool:
     """A ``{reduction: value}`` dict, as ``vk.capture`` makes for a list of reductions."""
-    return isinstance(x, Mapping) and bool(x) and set(x) <= _REDUCTION_NAMES
+    return isinstance(x, Mapping) and bool(x) and set(x) <= REDUCTION_NAMES
 
 
 def _check_field(field: str) -> None:
@@ -677,10 +672,8 @@ def _shape_str(x: Any) -> str:
         return "None"
     if isinstance(x, str):
         return x
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    if shape is not None and dtype is not None:
-        return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
+    if getattr(x, "shape", None) is not None and getattr(x, "dtype", None) is not None:
+        return _format.spec(x)
     if isinstance(x, (tuple, list)) and all(isinstance(d, (int, np.integer)) for d in x):
         return "(" + ", ".join(map(str, x)) + ("," if len(x) == 1 else "") + ")"
     return str(x)
@@ -703,7 +696,7 @@ def _shapes_text(value: Any) -> list[str]:
     if _is_shape_leaf(value):
         return [_shape_str(value)]
     flat = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_shape_leaf)[0]
-    return [f"{_path(path)}  {_shape_str(leaf)}" for path, leaf in flat]
+    return [f"{_format.path(path)}  {_shape_str(leaf)}" for path, leaf in flat]
 
 
 def _is_none(value: Any) -> bool:

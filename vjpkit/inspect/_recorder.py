@@ -36,12 +36,11 @@ from typing import Any, NamedTuple, TextIO
 import jax
 import numpy as np
 
-from .._capture import FIELDS, REDUCTIONS, CaptureSpec, histogram
+from .. import _format
+from .._capture import FIELDS, REDUCTION_NAMES, CaptureSpec, histogram
 from .._errors import ConfigError
 from .._host import on_host
 from ._explain import plain_table, rich_console
-
-REDUCTION_NAMES = frozenset([*REDUCTIONS, "histogram"])
 
 
 class Series(NamedTuple):
@@ -110,11 +109,6 @@ def _record_fields(rec: Any) -> Iterator[tuple[str, Any]]:
         yield "value", rec
 
 
-def _path(path: Any) -> str:
-    """A series' tree path: ``weight``, ``0/bias``, ``""`` for the root."""
-    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
-
-
 def _parent_keysets(captured: dict) -> list[frozenset | None]:
     """For every leaf of a step's records, the key set of the dict holding it (None when the
     leaf is not in a dict: a bare array or scalar field)."""
@@ -166,9 +160,9 @@ def _leaves(tree: Any, single: str, reductions: frozenset | None) -> Iterator[tu
             and frozenset(str(k.key) for k in siblings) == reductions
         )
         if is_reduction:
-            yield _path(path[:-1]), str(path[-1].key), leaf
+            yield _format.path(path[:-1]), str(path[-1].key), leaf
         else:
-            yield _path(path), single, leaf
+            yield _format.path(path), single, leaf
 
 
 def _fmt(x: Any) -> str:

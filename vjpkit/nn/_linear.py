@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import ConfigError
-from .._records import spec
+from .._format import spec
 from . import _random
 from ._layer import Layer, layer, positive_pair
 

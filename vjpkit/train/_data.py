@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _format
 from .._errors import ConfigError
 
 
@@ -26,7 +27,7 @@ def leading_sizes(tree: Any) -> list[tuple[str, int]]:
     """``(path, leading size)`` of every array leaf; raises for a leaf without a batch axis."""
     sizes = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        where = jax.tree_util.keystr(path) or "(root)"
+        where = _format.where(path)
         shape = np.shape(leaf)
         if not shape:
             raise ConfigError(f"batch leaf {where} is a scalar; every leaf needs a leading batch axis.")

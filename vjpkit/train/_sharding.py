@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from .. import _format
 from .._errors import ConfigError
 
 __all__ = ["batch_sharding", "check_mesh", "data_mesh", "replicate", "replicated", "shard_batch"]
@@ -151,7 +152,7 @@ def _batch_dim_size(path: Any, leaf: Any, batch_dim: int) -> int:
     if len(shape) <= batch_dim:
         what = "is a scalar" if not shape else f"has shape {shape}"
         raise ConfigError(
-            f"shard_batch: batch leaf {jax.tree_util.keystr(path) or '<root>'} {what} and has no "
+            f"shard_batch: batch leaf {_format.where(path)} {what} and has no "
             f"batch dimension {batch_dim} to split. Every leaf of a batch needs the batch dimension; "
             "pass per-step constants separately (for example with replicate)."
         )
