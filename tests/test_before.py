@@ -174,7 +174,9 @@ def test_before_under_vmap_in_the_loss(maybe_jit):
 
 def test_before_under_cond_and_checkpoint(maybe_jit):
     def closs(p, x, y, flag):
-        h = lax.cond(flag, lambda h: jax.checkpoint(lambda h: MODEL.apply(p, h))(h), lambda h: 2.0 * h[:, :3], x)
+        h = lax.cond(
+            flag, lambda h: jax.checkpoint(lambda h: MODEL.apply(p, h))(h), lambda h: 2.0 * h[:, :3], x
+        )
         return jnp.mean((h - y) ** 2)
 
     g = maybe_jit(vk.grad(closs, hooks={"fc1": vk.before(reverse)}))
@@ -218,12 +220,14 @@ def test_before_hook_may_not_set_grad_params():
 
 def test_before_hook_wrong_dtype_names_layer_and_field():
     bad = vk.before(lambda rec: rec.replace(grad_output=rec.grad_output.astype(jnp.float16)))
-    with pytest.raises(vk.HookError, match=r"'fc2'.*grad_output.*float32.*float16|'fc2'.*grad_output.*float16"):
+    with pytest.raises(
+        vk.HookError, match=r"'fc2'.*grad_output.*float32.*float16|'fc2'.*grad_output.*float16"
+    ):
         vk.grad(loss, hooks={"fc2": bad})(PARAMS, X, Y)
 
 
 def test_before_is_refused_in_forward_mode_and_in_hook_chain():
-    with pytest.raises(vk.ConfigError, match="vk.before"):
+    with pytest.raises(vk.ConfigError, match=r"vk\.before"):
         vk.jvp(lambda p: MODEL.apply(p, X), (PARAMS,), (PARAMS,), hooks={"fc1": vk.before(reverse)})
-    with pytest.raises(vk.ConfigError, match="vk.before"):
+    with pytest.raises(vk.ConfigError, match=r"vk\.before"):
         vk.hook_chain(vk.before(reverse), vk.clip_by_norm(1.0))
