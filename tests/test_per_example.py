@@ -20,6 +20,10 @@ from vjpkit import nn
 from vjpkit.inspect import _per_example as pe
 
 
+def _path_name(path) -> str:
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
 def per_example_grads(loss_fn, params, *batch):
     def single(p, *example):
         return loss_fn(p, *jax.tree.map(lambda a: a[None], example))
@@ -32,7 +36,7 @@ def reference(loss_fn, params, *batch, owners=None):
     grads = per_example_grads(loss_fn, params, *batch)
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     sq = {
-        pe._path_name(path): np.sum(np.asarray(g, np.float64).reshape(g.shape[0], -1) ** 2, axis=1)
+        _path_name(path): np.sum(np.asarray(g, np.float64).reshape(g.shape[0], -1) ** 2, axis=1)
         for path, g in flat
     }
     by_owner = {}
@@ -46,7 +50,7 @@ def reference(loss_fn, params, *batch, owners=None):
 def assert_norms_match(norms, loss_fn, params, *batch, owners=None, rtol=1e-5, atol=1e-6):
     total, leaves, layers = reference(loss_fn, params, *batch, owners=owners)
     np.testing.assert_allclose(norms.total, total, rtol=rtol, atol=atol)
-    got = {pe._path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(norms.params)[0]}
+    got = {_path_name(p): v for p, v in jax.tree_util.tree_flatten_with_path(norms.params)[0]}
     assert sorted(got) == sorted(leaves)
     for k in leaves:
         np.testing.assert_allclose(got[k], leaves[k], rtol=rtol, atol=atol, err_msg=k)

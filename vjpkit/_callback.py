@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import callback as _jax_callback  # pure_callback's device placement (private)
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
@@ -40,6 +41,19 @@ def _abstract_eval(*avals, fn):
     return jax.core.ShapedArray((), jnp.float32)
 
 
+def _op_sharding(ctx):
+    """Where the callback runs in an SPMD program: once, on one device (MAXIMAL), for a jit over
+    sharded arrays (the record is the global array); per device (MANUAL) inside ``shard_map``.
+
+    Without it, SPMD partitioning replicates the callback on every device: a host hook would
+    run once per device. This is ``jax.pure_callback``'s own placement.
+    """
+    placement = getattr(_jax_callback, "_callback_op_sharding", None)
+    if placement is None:  # pragma: no cover - a JAX without the helper: no annotation
+        return None
+    return placement(ctx.module_context.axis_context, None, ctx.avals_out)
+
+
 def _lowering(ctx, *args, fn):
     def callback(*bufs):
         fn(*bufs)
@@ -54,6 +68,7 @@ def _lowering(ctx, *args, fn):
         ctx.avals_out,
         has_side_effect=False,
         returns_token=False,
+        sharding=_op_sharding(ctx),
     )
     return result
 

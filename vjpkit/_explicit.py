@@ -41,9 +41,10 @@ from . import _context, _engine, _format, _hooks
 from ._autodiff import grad as _vk_grad
 from ._check import check_like, require_inexact
 from ._errors import ConfigError, SeedError
+from ._format import describe as _describe
+from ._format import spec
 from ._hook_base import HookTransform, before
 from ._jvp_rule import TangentScope
-from ._records import _describe, spec
 
 SEED_SENTENCE = (
     "A seed is dL/d(out), the cotangent that starts reverse mode: one value per output element, "

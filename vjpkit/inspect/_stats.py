@@ -38,7 +38,8 @@ import optax
 
 from .._capture import histogram as _histogram
 from .._errors import ConfigError
-from ._per_example import _check_conv, _check_reduction, _path_name, analyze
+from .._format import path as _path_name
+from ._per_example import _check_conv, _check_reduction, analyze
 
 __all__ = ["LayerStats", "gradient_stats", "update_ratio"]
 
