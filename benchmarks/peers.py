@@ -96,6 +96,8 @@ class JaxVariant:
     """A jitted training step ``step(carry, x, y) -> (carry, loss, extra)`` and its state.
 
     ``lower()`` returns the step lowered for the same arguments (for XLA's memory analysis).
+    ``trace()``, where set (run.py's ``jax.jit`` rows), returns ``jax.jit(step).trace(...)`` for
+    the same arguments: ``staged_first_call`` times the first call's compilation in its stages.
     """
 
     step: Any
@@ -104,6 +106,30 @@ class JaxVariant:
     y: Any
     lower: Any
     info: dict = field(default_factory=dict)
+    trace: Any = None
+
+    def staged_first_call(self) -> dict[str, float]:
+        """The first call's compilation split in ``jax.stages``, each part timed (seconds).
+
+        ``trace_s``: Python tracing to a jaxpr (``jit(step).trace(...)``; a library's own work
+        while tracing, vjpkit's engine included, is here); ``lower_s``: the jaxpr to StableHLO
+        (``traced.lower()``); ``xla_compile_s``: XLA's compilation (``lowered.compile()``);
+        ``total_s``: the three together, timed around them. Call it on fresh step functions after
+        ``jax.clear_caches()``, as ``first_call`` is, so that nothing is cached.
+        """
+        start = time.perf_counter()
+        traced = self.trace()
+        t_traced = time.perf_counter()
+        lowered = traced.lower()
+        t_lowered = time.perf_counter()
+        lowered.compile()
+        end = time.perf_counter()
+        return {
+            "trace_s": t_traced - start,
+            "lower_s": t_lowered - t_traced,
+            "xla_compile_s": end - t_lowered,
+            "total_s": end - start,
+        }
 
     def first_call(self) -> tuple[float, float]:
         import jax

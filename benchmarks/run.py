@@ -14,8 +14,8 @@ and ``quickstart_bench.py``'s peak memory of the quickstart with and without its
 (``--no-quickstart`` skips it).
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
-[--compile-repeats 3] [--peers flax,equinox,torch] [--no-per-example] [--no-host]
-[--no-quickstart] [--out PATH]``. What the
+[--compile-repeats 3] [--peers flax,equinox,torch] [--only-first-call] [--no-per-example]
+[--no-host] [--no-quickstart] [--out PATH]``. What the
 rows, columns and memory figures are: ``benchmarks/README.md``.
 """
 
@@ -99,6 +99,7 @@ def jax_variants(key, model, raw_apply, x, y):
     for name, step in steps.items():
         variants[name] = peers.JaxVariant(step, carry, x, y, None)
         variants[name].lower = lambda step=step: step.lower(carry, x, y)
+        variants[name].trace = lambda step=step: step.trace(carry, x, y)
     return variants, params
 
 
@@ -128,11 +129,12 @@ def torch_peer_variants(key, params, x, y, selected, torch_client, tmpdir):
     return peers.torch_variants(torch_client, key, params, x, y, tmpdir)
 
 
-def bench_model(key, rounds, block, selected, torch_client, tmpdir, compile_repeats=1):
+def bench_model(key, rounds, block, selected, torch_client, tmpdir, compile_repeats=1, only_first_call=False):
+    """One model's rows, targets and first calls; ``only_first_call``: no step timing, memory or PyTorch."""
     title, model, raw_apply, shape, classes = MODELS[key]()
     x, y = data(shape, classes)
     rng = random.Random(0)
-    firsts, loss0 = {}, {}
+    firsts, stages, loss0 = {}, {}, {}
     for _ in range(compile_repeats):  # first calls, each time from empty caches, in a shuffled order
         jax.clear_caches()
         variants, params = jax_variants(key, model, raw_apply, x, y)
@@ -142,20 +144,33 @@ def bench_model(key, rounds, block, selected, torch_client, tmpdir, compile_repe
         for name in order:
             t, loss0[name] = variants[name].first_call()
             firsts.setdefault(name, []).append(t)
-    variants.update(torch_peer_variants(key, params, x, y, selected, torch_client, tmpdir))
+        # The same compilation in stages (trace, lower, XLA compile) of the rows built here (their
+        # steps are ``jax.jit``s), on fresh step functions, each from empty caches: the first
+        # trace after ``jax.clear_caches()`` also re-traces the jitted library helpers that the
+        # steps share (``jax.nn.relu``, optax's, ...), which would otherwise land on one row.
+        staged, _ = jax_variants(key, model, raw_apply, x, y)
+        order = list(staged)
+        rng.shuffle(order)
+        for name in order:
+            jax.clear_caches()
+            stages.setdefault(name, []).append(staged[name].staged_first_call())
+    if only_first_call:
+        variants.update(dict.fromkeys(peers.TORCH_ROWS, "skipped: --only-first-call"))
+    else:
+        variants.update(torch_peer_variants(key, params, x, y, selected, torch_client, tmpdir))
     live = {n: v for n, v in variants.items() if not isinstance(v, str)}
     memory = {}
     for name, v in live.items():
         if isinstance(v, peers.TorchVariant):
             firsts[name] = [v.info["first_call_s"]]
             loss0[name], memory[name] = v.info["first_loss"], v.info["memory"]
-        else:
+        elif not only_first_call:
             v.warm_up(WARMUP)
             memory[name] = v.memory()
     first = {name: statistics.median(f) for name, f in firsts.items()}
-    times = {name: [] for name in live}
+    times = None if only_first_call else {name: [] for name in live}
     order = list(live)
-    for _ in range(rounds):
+    for _ in range(0 if only_first_call else rounds):
         rng.shuffle(order)
         for name in order:
             times[name].append(live[name].time(block))
@@ -164,26 +179,64 @@ def bench_model(key, rounds, block, selected, torch_client, tmpdir, compile_repe
         if isinstance(v, str):
             rows.append({"variant": name, "status": v})
             continue
+        timed = times is not None
         rows.append(
             {
                 "variant": name,
                 "status": "ok",
-                "median_step_us": 1e6 * statistics.median(times[name]),
-                "ratio_to_raw": ratio(times, name, RAW),
+                "median_step_us": 1e6 * statistics.median(times[name]) if timed else None,
+                "ratio_to_raw": ratio(times, name, RAW) if timed else None,
                 "first_call_s": first[name],
                 "compile_ratio": compile_ratio(firsts, name),
-                "peak_memory_mb": memory[name]["peak_mb"],
-                "memory": memory[name],
+                "first_call_split": first_call_split(stages, name),
+                "peak_memory_mb": memory[name]["peak_mb"] if name in memory else None,
+                "memory": memory.get(name),
                 "first_loss": loss0[name],
-                "step_s_per_round": times[name],
+                "step_s_per_round": times[name] if timed else None,
                 "first_call_s_samples": firsts[name],
             }
         )
     result = {"model": key, "title": title, "rows": rows}
     compile_ratios = {r["variant"]: r["compile_ratio"] for r in rows if r["status"] == "ok"}
     result["targets"] = targets(times, compile_ratios)
+    result["first_call_split_info"] = split_info(rows)
     result["max_first_loss_diff"] = max(abs(loss0[n] - loss0[RAW]) for n in loss0)
     return result
+
+
+STAGES = ("trace_s", "lower_s", "xla_compile_s", "total_s")
+
+
+def first_call_split(stages, name):
+    """A row's first call in stages (``JaxVariant.staged_first_call``): the medians of each part,
+    their ratios to raw JAX's (medians of per-repeat ratios) and the samples; None if not staged.
+    """
+    if name not in stages:
+        return None
+    samples, raw = stages[name], stages[RAW]
+    out = {part: statistics.median(s[part] for s in samples) for part in STAGES}
+    for part in STAGES:
+        ratio_key = part.removesuffix("_s") + "_ratio"
+        out[ratio_key] = statistics.median(s[part] / r[part] for s, r in zip(samples, raw))
+    out["samples"] = samples
+    return out
+
+
+def split_info(rows):
+    """Informational lines (no target): each vjpkit row's trace time, engine included, against raw JAX's."""
+    split = {r["variant"]: r["first_call_split"] for r in rows if r.get("first_call_split")}
+    raw = split[RAW]
+    return [
+        {
+            "variant": name,
+            "trace_s": split[name]["trace_s"],
+            "trace_over_raw_s": split[name]["trace_s"] - raw["trace_s"],
+            "trace_ratio": split[name]["trace_ratio"],
+            "lower_ratio": split[name]["lower_ratio"],
+            "xla_compile_ratio": split[name]["xla_compile_ratio"],
+        }
+        for name in VJPKIT_ROWS
+    ]
 
 
 def compile_ratio(firsts, name):
@@ -201,29 +254,33 @@ def ratio(times, a, b):
 def targets(times, compile_ratios):
     """The issue's targets, judged on this run's numbers (met is None when a peer was skipped).
 
+    ``times`` is None when the steps were not timed (``--only-first-call``): first calls only.
+
     The Flax NNX and Equinox targets are judged against ``peers.PEER_ROWS``, whose CNN pools as
     vjpkit's does; ``peers.OWN_POOL_ROWS`` (their own ``reduce_window`` pool) have no target.
     """
     out = []
 
     def add(text, value, limit, against=None, strict=False):
-        if against is not None and against not in times:
+        if against is not None and against not in (times or {}):
             out.append({"target": text, "value": None, "met": None, "note": f"{against} skipped"})
             return
         v = value()
         out.append({"target": text, "value": v, "met": v < limit if strict else v <= limit})
 
-    add("vjpkit, no hooks / raw JAX <= 1.02", lambda: ratio(times, NO_HOOKS, RAW), 1.02)
-    add("vjpkit, capture norms / raw JAX <= 1.10", lambda: ratio(times, CAPTURE, RAW), 1.10)
-    add(
-        f"vjpkit, capture norms / {TORCH_HOOKS} < 1",
-        lambda: ratio(times, CAPTURE, TORCH_HOOKS),
-        1.0,
-        TORCH_HOOKS,
-        strict=True,
-    )
-    for peer in (*peers.FLAX_ROWS, *peers.EQUINOX_ROWS):
-        add(f"vjpkit, no hooks / {peer} <= 1.0", lambda peer=peer: ratio(times, NO_HOOKS, peer), 1.0, peer)
+    if times is not None:
+        add("vjpkit, no hooks / raw JAX <= 1.02", lambda: ratio(times, NO_HOOKS, RAW), 1.02)
+        add("vjpkit, capture norms / raw JAX <= 1.10", lambda: ratio(times, CAPTURE, RAW), 1.10)
+        add(
+            f"vjpkit, capture norms / {TORCH_HOOKS} < 1",
+            lambda: ratio(times, CAPTURE, TORCH_HOOKS),
+            1.0,
+            TORCH_HOOKS,
+            strict=True,
+        )
+        for peer in (*peers.FLAX_ROWS, *peers.EQUINOX_ROWS):
+            vs_peer = lambda peer=peer: ratio(times, NO_HOOKS, peer)
+            add(f"vjpkit, no hooks / {peer} <= 1.0", vs_peer, 1.0, peer)
     for name in VJPKIT_ROWS:
         add(f"first call: {name} / raw JAX <= 1.3", lambda name=name: compile_ratios[name], 1.3)
     return out
@@ -261,32 +318,49 @@ def _mark(met):
     return "n/a" if met is None else ("met" if met else "NOT met")
 
 
+def _fmt(value, spec):
+    return "—" if value is None else format(value, spec)
+
+
 def markdown(results, pex=None):
     lines = []
     for res in results:
         lines.append(f"\n**{res['title']}**\n")
         lines.append(
             "| variant | median step (µs) | ratio to raw JAX | first call (s) "
-            "| first call / raw JAX | peak memory (MB) |"
+            "| first call / raw JAX | trace + lower + XLA compile (s) | trace / raw JAX "
+            "| XLA compile / raw JAX | peak memory (MB) |"
         )
-        lines.append("|---|---:|---:|---:|---:|---:|")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in res["rows"]:
             if r["status"] != "ok":
-                lines.append(f"| {r['variant']} | {r['status']} | — | — | — | — |")
+                lines.append(f"| {r['variant']} | {r['status']} |" + " — |" * 7)
                 continue
+            s = r.get("first_call_split")
             cells = [
                 r["variant"],
-                f"{r['median_step_us']:.0f}",
-                f"{r['ratio_to_raw']:.3f}",
+                _fmt(r["median_step_us"], ".0f"),
+                _fmt(r["ratio_to_raw"], ".3f"),
                 f"{r['first_call_s']:.2f}",
                 f"{r['compile_ratio']:.2f}",
-                f"{r['peak_memory_mb']:.2f}",
+                "—" if s is None else f"{s['trace_s']:.3f} + {s['lower_s']:.3f} + {s['xla_compile_s']:.3f}",
+                "—" if s is None else f"{s['trace_ratio']:.2f}",
+                "—" if s is None else f"{s['xla_compile_ratio']:.2f}",
+                _fmt(r["peak_memory_mb"], ".2f"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         for t in res["targets"]:
             value = t.get("note") if t["value"] is None else f"{t['value']:.3f}"
             lines.append(f"- {t['target']}: {value} ({_mark(t['met'])})")
+        raw = next(r["first_call_split"] for r in res["rows"] if r["variant"] == RAW)
+        for i in res.get("first_call_split_info", []):
+            lines.append(
+                f"- first call in stages, {i['variant']} (informational, no target): trace (vjpkit's "
+                f"engine included) {i['trace_s']:.3f} s, {i['trace_ratio']:.2f}x raw JAX's "
+                f"{raw['trace_s']:.3f} s ({1e3 * i['trace_over_raw_s']:+.0f} ms); lower "
+                f"{i['lower_ratio']:.2f}x, XLA compile {i['xla_compile_ratio']:.2f}x raw JAX's"
+            )
         lines.append(f"- first-step losses: all within {res['max_first_loss_diff']:.1e} of raw JAX's")
     if pex:
         lines.append(f"\n**{pex['title']}**\n")
@@ -367,6 +441,12 @@ def main(argv=None):
     parser.add_argument(
         "--compile-repeats", type=int, default=3, help="first calls per variant, from empty caches"
     )
+    parser.add_argument(
+        "--only-first-call",
+        action="store_true",
+        help="first calls (and their trace / lower / XLA compile split) only: no step timing, "
+        "memory, PyTorch or other benchmarks",
+    )
     parser.add_argument("--no-per-example", action="store_true", help="skip the per-example-norms table")
     parser.add_argument("--no-host", action="store_true", help="skip host_bench.py's host-delivery tables")
     parser.add_argument(
@@ -383,6 +463,10 @@ def main(argv=None):
     selected = [p for p in args.peers.split(",") if p and p != "none"]
     if set(selected) - set(peers.PEERS):
         parser.error(f"unknown peer(s) {sorted(set(selected) - set(peers.PEERS))}; choose from {peers.PEERS}")
+    only_first = args.only_first_call
+    if only_first:  # PyTorch has no compilation; the other benchmarks time steady-state calls
+        selected = [p for p in selected if p != "torch"]
+        args.no_per_example = args.no_host = args.no_quickstart = True
     threads = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start, cpu_before = time.perf_counter(), cpu_times()
@@ -391,13 +475,14 @@ def main(argv=None):
         if torch_client is not None:
             torch_client.hello()  # wait for its import of torch: no competition for the CPU later
         with tempfile.TemporaryDirectory() as tmpdir:
-            results = [bench_model(k, rounds, block, selected, torch_client, tmpdir, repeats) for k in keys]
+            bench = (rounds, block, selected, torch_client, tmpdir, repeats, only_first)
+            results = [bench_model(k, *bench) for k in keys]
         meta_versions = versions(torch_client)
     finally:
         if torch_client is not None:
             torch_client.close()
     pex = None if args.no_per_example else per_example(args.quick)
-    eager = eager_bench.run(args.quick)
+    eager = None if only_first else eager_bench.run(args.quick)
     host = None
     if not args.no_host:
         import host_bench  # here: it imports fit_bench, which imports this module
@@ -418,6 +503,7 @@ def main(argv=None):
         "block": block,
         "compile_repeats": repeats,
         "quick": args.quick,
+        "only_first_call": only_first,
         "peers": selected,
         "wall_s": time.perf_counter() - start,
     }
@@ -433,12 +519,14 @@ def main(argv=None):
     v, busy = meta["versions"], meta["other_cpu_share"]
     print(
         f"{meta['date']} | {meta['machine']} ({meta['cpu']}) | load {load or 0:.2f} | jax {v['jax']} "
-        f"({meta['backend']}), flax {v['flax']}, equinox {v['equinox']}, torch {v['torch']} "
-        f"| {rounds} rounds of {block} steps | {meta['wall_s']:.0f} s"
+        f"({meta['backend']}), flax {v['flax']}, equinox {v['equinox']}, torch {v['torch']}"
+        + (" | first calls only" if only_first else f" | {rounds} rounds of {block} steps")
+        + f" | {repeats} first call(s) per variant | {meta['wall_s']:.0f} s"
         + ("" if busy is None else f" | other processes used {100 * busy:.0f}% of the CPU meanwhile")
     )
     print(markdown(results, pex))
-    print(eager_bench.markdown(eager))
+    if eager is not None:
+        print(eager_bench.markdown(eager))
     if host is not None:
         print(host_bench.markdown(host))
     if quick_mem is not None:

@@ -33,12 +33,46 @@ def run_bench(tmp_path, *extra, env=None):
     return json.loads(out.read_text()), proc.stdout
 
 
-def check_row(row):
+STAGES = ("trace_s", "lower_s", "xla_compile_s")
+
+
+def check_row(row, timed=True):
     if row["status"] == "ok":
-        for k in ("median_step_us", "ratio_to_raw", "first_call_s", "compile_ratio", "peak_memory_mb"):
+        keys = ("first_call_s", "compile_ratio")
+        if timed:
+            keys += ("median_step_us", "ratio_to_raw", "peak_memory_mb")
+        else:
+            assert row["median_step_us"] is None and row["peak_memory_mb"] is None
+        for k in keys:
             assert row[k] > 0, (row["variant"], k)
     else:
         assert row["status"].startswith("skipped: ")
+
+
+def check_first_call_split(result, stdout, repeats=1):
+    """The staged first call (trace, lower, XLA compile) of raw JAX and the vjpkit rows: structure only."""
+    rows = {row["variant"]: row for row in result["rows"]}
+    for name in JAX_ROWS:
+        split = rows[name]["first_call_split"]
+        assert len(split["samples"]) == repeats
+        for sample in split["samples"]:
+            assert all(sample[k] > 0 for k in STAGES), (name, sample)
+            parts = sum(sample[k] for k in STAGES)  # timed back to back: only the clock reads between
+            assert parts == pytest.approx(sample["total_s"], rel=0.05, abs=0.01), (name, sample)
+        for k in ("trace_ratio", "lower_ratio", "xla_compile_ratio", "total_ratio", "total_s", *STAGES):
+            assert split[k] > 0, (name, k)
+        if name == "raw JAX":
+            assert split["trace_ratio"] == split["xla_compile_ratio"] == 1.0
+    for name in set(rows) - set(JAX_ROWS):  # the peers are not staged
+        assert rows[name].get("first_call_split") is None
+    info = result["first_call_split_info"]
+    assert [i["variant"] for i in info] == JAX_ROWS[1:]
+    assert all(i["trace_s"] > 0 and i["trace_ratio"] > 0 for i in info)
+    first_call = [t for t in result["targets"] if t["target"].startswith("first call: ")]
+    assert len(first_call) == 4 and all(t["met"] in (True, False) for t in first_call)
+    assert "trace + lower + XLA compile (s)" in stdout
+    assert stdout.count("first call in stages, vjpkit") == 4
+    assert stdout.count("/ raw JAX <= 1.3: ") == 4
 
 
 @pytest.mark.slow
@@ -53,6 +87,7 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     for row in result["rows"]:
         check_row(row)
     assert all(row["status"] == "ok" for row in result["rows"][: len(JAX_ROWS)])
+    check_first_call_split(result, stdout)
     assert all(t["met"] in (True, False, None) for t in result["targets"])
     pex = data["per_example"]
     assert set(pex["median_ms"]) == {"vjpkit", "vmap(grad)", "value_and_grad"}
@@ -93,6 +128,25 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
     assert all(rows[name]["status"] == "ok" for name in JAX_ROWS)
     assert data["per_example"] is None
     assert "| Equinox | skipped: ImportError" in stdout
+
+
+@pytest.mark.slow
+def test_benchmark_only_first_call(tmp_path):
+    """--only-first-call: first calls and their staged split only, no step timing or other benchmarks."""
+    data, stdout = run_bench(tmp_path, "--peers", "none", "--only-first-call")
+    assert data["meta"]["only_first_call"] is True
+    (result,) = data["results"]
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert list(rows) == ALL_ROWS
+    for row in rows.values():
+        check_row(row, timed=False)
+    assert all(rows[name]["status"] == "ok" for name in JAX_ROWS)
+    for name in TORCH_ROWS:
+        assert rows[name]["status"] == "skipped: --only-first-call"
+    assert all(t["target"].startswith("first call: ") for t in result["targets"])
+    check_first_call_split(result, stdout)
+    for part in ("per_example", "eager", "host", "quickstart"):
+        assert data[part] is None, part
 
 
 CNN_PEERS_SCRIPT = """
