@@ -3,8 +3,9 @@
 Contract:
 
 * ``Config`` is the immutable hook configuration of one transformed function (``vk.grad(...,
-  hooks=..., capture=...)`` makes one when it is called, not per call). Its ``token`` is unique
-  for the life of the process.
+  hooks=..., capture=...)`` makes one when it is called, not per call). Its ``token`` is the
+  same for configurations of equal content (the same hook objects, capture specs and
+  transform), and unique otherwise, for the life of the process.
 * A *scope* is active only while a vjpkit transform traces the user's function. Two kinds:
   ``LAYERS`` (the reverse-mode transforms: every layer call becomes one ``vjpkit_layer``
   equation, whatever the hooks, so the trace does not depend on the configuration) and a
@@ -22,6 +23,7 @@ Contract:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fnmatch
@@ -33,7 +35,7 @@ from typing import Any
 import jax
 
 from ._errors import ConfigError
-from ._hook_base import inner
+from ._hook_base import inner, is_factory
 
 _local = threading.local()
 _tokens = itertools.count(1)
@@ -50,6 +52,30 @@ def new_token() -> int:
     return next(_tokens)
 
 
+_interned: collections.OrderedDict = collections.OrderedDict()
+_INTERNED_MAX = 256
+
+
+def content_token(content: Any) -> int:
+    """One token per configuration content: equal hooks, capture specs and transform share it.
+
+    So a transform built anew on every call (``vk.grad(loss, hooks=h)(...)`` in a loop) reuses
+    the traces and compiled inner calls of the previous ones. Unhashable content gets a fresh
+    token. The table keeps the last 256 contents (their hooks stay alive that long).
+    """
+    try:
+        hash(content)
+    except TypeError:
+        return new_token()
+    token = _interned.pop(content, None)
+    if token is None:
+        token = new_token()
+        if len(_interned) >= _INTERNED_MAX:
+            _interned.popitem(last=False)
+    _interned[content] = token
+    return token
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Config:
     """The hook configuration of one transformed function (immutable).
@@ -58,13 +84,17 @@ class Config:
         hooks: ``(glob, (hook, ...))`` pairs, in the user's order.
         capture: capture specs (``vjpkit._capture.CaptureSpec``).
         transform: the public name of the transform, for error messages.
-        token: unique per configuration, for JAX's trace caches.
+        token: one per configuration content (``content_token``), for JAX's trace caches.
     """
 
     hooks: tuple[tuple[str, tuple[Callable, ...]], ...] = ()
     capture: tuple[Any, ...] = ()
     transform: str = "vk.grad"
-    token: int = dataclasses.field(default_factory=new_token)
+    token: int = dataclasses.field(default=0, compare=False)
+
+    def __post_init__(self):
+        if not self.token:
+            object.__setattr__(self, "token", content_token((self.hooks, self.capture, self.transform)))
 
     def hooks_for(self, name: str) -> tuple[Callable, ...]:
         """All hooks whose glob matches ``name``, in the order they were given."""
@@ -172,6 +202,12 @@ def tracing(name: str) -> Iterator[None]:
         layers.pop()
 
 
+def current_layer(default: str) -> str:
+    """The name of the layer whose function runs now (for messages); ``default`` when unnamed."""
+    layers = _stack("layers")
+    return layers[-1] if layers else layer_path(default)
+
+
 def layer_path(default: str) -> str:
     """The current layer's full name; ``default`` when no combinator has named it."""
     path = _stack("path")
@@ -195,6 +231,17 @@ def normalize_hooks(hooks: Any, transform: str) -> tuple[tuple[str, tuple[Callab
         fns = tuple(value) if many else (value,)
         for fn in fns:
             hook = inner(fn)  # vk.before(hook) wraps a hook
+            if is_factory(hook):
+                what = getattr(hook, "__name__", repr(hook))
+                raise ConfigError(
+                    f"{transform}: the hook for glob {glob!r} is vk.{what} itself, which makes hooks: "
+                    f"call it to make one, for example hooks={{{glob!r}: vk.{what}(...)}} "
+                    + (
+                        "(vk.on_host(fn) with fn(rec) run on the host)."
+                        if isinstance(hook, type)
+                        else "(see its docstring for the arguments)."
+                    )
+                )
             stateful = hasattr(hook, "init") and hasattr(hook, "update")  # a vk.HookTransform
             if not (callable(hook) or stateful):
                 raise ConfigError(

@@ -67,8 +67,27 @@ class before:  # noqa: N801  (a hook wrapper, used like a function)
             hook = hook.hook
         self.hook = hook
 
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, before) and other.hook == self.hook
+
+    def __hash__(self) -> int:
+        return hash(("vk.before", self.hook))
+
     def __repr__(self) -> str:
         return f"vk.before({self.hook!r})"
+
+
+def factory(fn: Callable) -> Callable:
+    """Marks ``fn`` as a hook factory (``vk.ema_normalize``): put in ``hooks=`` uncalled, it is an error."""
+    fn.__vjpkit_factory__ = True
+    return fn
+
+
+def is_factory(obj: Any) -> bool:
+    """A hook factory given where its product belongs: ``vk.ema_normalize``, or the class ``vk.on_host``."""
+    return bool(getattr(obj, "__vjpkit_factory__", False)) or (
+        isinstance(obj, type) and hasattr(obj, "deferred")
+    )
 
 
 def inner(hook: Any) -> Any:

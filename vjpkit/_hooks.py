@@ -11,6 +11,9 @@ every new state against what it replaces; it never casts.
 
 from __future__ import annotations
 
+import gc
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,10 +22,11 @@ import jax
 from . import _context, _format
 from ._check import check_like
 from ._errors import ConfigError, HookError
-from ._hook_base import HookTransform, inner, is_before, is_deferred
+from ._hook_base import HookTransform, factory, inner, is_before, is_deferred
 from ._records import Cotangents
 
 
+@factory
 def hook_chain(*transforms: HookTransform | Callable) -> HookTransform:
     """Composes hooks left to right into one ``HookTransform``, like ``optax.chain``.
 
@@ -246,7 +250,10 @@ def run(
                 )
                 states[k - 1] = new
             else:
+                counts = _refcounts(rec)
                 out = hook(rec)
+                if out is None:
+                    _warn_if_kept(rec, counts, hook, sink)
         _check_untouched(rec, before_ids, fn)
         rec = validate(rec, out, fn, phase)
     if stateless:
@@ -254,6 +261,69 @@ def run(
     if not transforms:
         return rec, ()
     return rec, states[0] if len(states) == 1 else tuple(states)
+
+
+def _containers(rec: Cotangents) -> list:
+    """The record and its dict / tuple fields: what a hook that keeps records stores.
+
+    Array fields are left out: tracing an operation on a tracer also references it.
+    """
+    return [rec, *(v for v in (getattr(rec, f) for f in _FIELDS) if isinstance(v, (dict, tuple, list)))]
+
+
+def _refcounts(rec: Cotangents) -> list[int]:
+    return [sys.getrefcount(x) for x in _containers(rec)]
+
+
+_warned: set = set()
+
+
+def _kept(rec: Cotangents, counts: list[int], ours: Any) -> bool:
+    """Whether a list, dict or set (other than ``ours``) now holds the record or a dict field.
+
+    A cheap refcount check first; then ``gc.get_referrers`` tells a container that stores the
+    record from JAX's traceback capture, which keeps the hook's frame (and its locals) alive.
+    """
+    if _refcounts(rec) == counts:
+        return False
+    objects = _containers(rec)
+    for obj in objects:
+        for ref in gc.get_referrers(obj):
+            if ref is objects or ref is ours or _is_record_field(ref, rec):
+                continue
+            if isinstance(ref, (list, dict, set)):
+                return True
+    return False
+
+
+def _is_record_field(ref: Any, rec: Cotangents) -> bool:
+    return any(ref is getattr(rec, f) for f in _FIELDS)
+
+
+def _warn_if_kept(rec: Cotangents, counts: list[int], hook: Callable, ours: Any = None) -> None:
+    """Warns once when a hook kept a record of tracers (stored it, or a field, for later).
+
+    Under ``jit``, ``lax.scan`` or ``vmap`` a hook runs once, while the step is traced, on
+    tracers: a record appended to a list holds tracers, not values, and using it later raises
+    ``UnexpectedTracerError``. A hook that only computes (``jax.debug.print``) keeps nothing.
+    """
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(rec)):
+        return  # an eager backward pass: the record holds arrays, keeping them is fine
+    if not _kept(rec, counts, ours):
+        return
+    key = (id(hook), rec.name)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"vjpkit: hook {hook_name(hook)} on layer {rec.name!r} kept the record it was given (or one "
+        "of its fields), but the step is being traced (jax.jit, lax.scan or vmap), so the record "
+        "holds tracers, not values: the hook runs once at trace time, and using what it kept "
+        "later raises UnexpectedTracerError. To get values every step on the host, wrap the "
+        f"function in vk.on_host: hooks={{{rec.name!r}: vk.on_host(fn)}} (fn gets numpy arrays), "
+        "or use capture= to return records from the step.",
+        stacklevel=2,
+    )
 
 
 def _update(hook: HookTransform, rec: Cotangents, state: Any) -> tuple[Cotangents, Any]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from ._errors import ConfigError, HookError
-from ._hook_base import HookTransform
+from ._hook_base import HookTransform, factory
 from ._records import Cotangents
 
 _FIELDS = ("grad_params", "grad_input")
@@ -50,6 +50,7 @@ def _stateless(fields: tuple[str, ...], fn: Callable[[Any], Any]) -> HookTransfo
     return HookTransform(_no_state, update)
 
 
+@factory
 def scale(factor: float, field: str | tuple[str, ...] = "grad_params") -> HookTransform:
     """Multiplies the chosen cotangent(s) by ``factor``.
 
@@ -61,6 +62,7 @@ def scale(factor: float, field: str | tuple[str, ...] = "grad_params") -> HookTr
     return _stateless(fields, lambda tree: jax.tree.map(lambda g: g * jnp.asarray(factor, g.dtype), tree))
 
 
+@factory
 def zero(field: str | tuple[str, ...] = "grad_params") -> HookTransform:
     """Replaces the chosen cotangent(s) with zeros: ``zero()`` freezes a layer's parameters.
 
@@ -92,6 +94,7 @@ def _real_only(rec: Cotangents, what: str) -> None:
             )
 
 
+@factory
 def clip_by_norm(max_norm: float, field: str | tuple[str, ...] = "grad_params") -> HookTransform:
     """Rescales a layer's cotangent so that its norm (over all its leaves) is at most ``max_norm``.
 
@@ -120,6 +123,7 @@ class EmaNormalizeState(NamedTuple):
     var: Any
 
 
+@factory
 def ema_normalize(decay: float = 0.9, eps: float = 1e-8, center: bool = True) -> HookTransform:
     """Standardises a layer's parameter gradients with EMAs of their mean and variance.
 
@@ -176,6 +180,7 @@ class AddNoiseState(NamedTuple):
     count: jax.Array
 
 
+@factory
 def add_noise(key: jax.Array, stddev: float, field: str | tuple[str, ...] = "grad_params") -> HookTransform:
     """Adds Gaussian noise ``N(0, stddev^2)`` to the chosen cotangent(s), fresh each step.
 
@@ -222,6 +227,7 @@ class AccumulateState(NamedTuple):
     m2: Any
 
 
+@factory
 def accumulate_stats() -> HookTransform:
     """Observes a layer's parameter gradients and keeps their running mean and variance over steps.
 

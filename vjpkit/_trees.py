@@ -62,3 +62,20 @@ class Static:
 
     def __hash__(self) -> int:
         return hash(self.value)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The shard_map axes a (traced) value varies over; empty outside shard_map."""
+    aval = getattr(x, "aval", x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10: aval.mat.varying; earlier: aval.vma
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
+
+
+def vary(x: Any, axes: Any) -> Any:
+    """``x`` typed as varying over the shard_map ``axes`` as well (its value unchanged)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # pragma: no cover - older JAX

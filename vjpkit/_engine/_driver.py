@@ -32,6 +32,7 @@ from .. import _context, _hooks, _host
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._hook_base import HookState
+from .._trees import vary, varying_axes
 from . import _handlers, _slots
 from ._plan import Plan, Site
 from ._run import Runner
@@ -65,6 +66,7 @@ class Traced:
     n_out: int
     leaves: list
     tree: Any
+    vma: tuple = ()  # the shard_map axes the arguments vary over (probes vary over them too)
 
 
 def trace(
@@ -112,7 +114,12 @@ def trace(
     plan = Plan(config, closed.jaxpr, [True] * len(leaves), _handlers.chain(_handlers.default(), *handlers))
     if check:
         config.check_matched(plan.names)
-    return Traced(closed, plan, out_tree, n_out, leaves, tree)
+    return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)))
+
+
+def _varying_axes(tree: Any) -> tuple:
+    """Inside ``jax.shard_map``: the manual axes any argument varies over (sorted), else ``()``."""
+    return tuple(sorted(frozenset().union(*(varying_axes(leaf) for leaf in jax.tree.leaves(tree)))))
 
 
 def linearize(traced: Traced, hook_state: Any = None, log: list | None = None):
@@ -126,6 +133,8 @@ def linearize(traced: Traced, hook_state: Any = None, log: list | None = None):
     handler = plan.handlers if log is None else _handlers.chain(_handlers.log(log), plan.handlers)
     runner = Runner(plan, handler, compile_calls=log is None)
     probes0 = _slots.probes(plan)
+    if traced.vma:  # per-shard records: each shard's probe varies, so its cotangent is not summed
+        probes0 = jax.tree.map(lambda z: vary(z, traced.vma), probes0)
     states0 = _slots.layer_states(plan, hook_state)
 
     def program(leaves, probes, states):

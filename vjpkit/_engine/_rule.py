@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from .._records import Cotangents
-from .._trees import Static, merge, select, unwrap
+from .._trees import Static, merge, select, unwrap, vary, varying_axes
 from . import _site
 
 
@@ -79,7 +79,6 @@ def hooked(
     rule = jax.custom_vjp(primal)
 
     def fwd(ops, probe, state, npr, nst):
-        del probe
         ops_v, mask = unwrap(ops)
         state_v, _ = unwrap(state)
         npr_v, _ = unwrap(npr)
@@ -89,10 +88,12 @@ def hooked(
             return run_inner(merge(ops_v, mask, diff), npr, nst)
 
         (outs, nst_out), vjp_fn = jax.vjp(part, select(ops_v, mask), npr_v, nst_v)
-        return (outs, state_v, nst_out), (vjp_fn, ops_v, outs, Static(tuple(mask)))
+        probe_v, _ = unwrap(probe)
+        axes = Static(tuple(varying_axes(p) for p in jax.tree.leaves(probe_v)))  # inside shard_map
+        return (outs, state_v, nst_out), (vjp_fn, ops_v, outs, Static(tuple(mask)), axes)
 
     def bwd(res, cts):
-        vjp_fn, ops_v, outs, mask = res
+        vjp_fn, ops_v, outs, mask, probe_axes = res
         mask = mask.value
         g_outs, g_state, g_nst = cts
         live = any(not isinstance(g, SymbolicZero) for g in g_outs)
@@ -124,8 +125,9 @@ def hooked(
             if handler.after is not None:
                 rec, new_state = handler.after(site, rec, new_state, parts)
             shown = _replace_grads(layout, shown, rec)
-            if site.slot is not None:
-                probe_ct = parts
+            if site.slot is not None:  # typed like the probe (a per-shard probe varies in shard_map)
+                leaves, tree = jax.tree.flatten(parts)
+                probe_ct = jax.tree.unflatten(tree, [vary(c, a) for c, a in zip(leaves, probe_axes.value)])
         out_grads = [s if m else None for s, m in zip(shown, mask)]
         return out_grads, probe_ct, new_state, g_npr, g_nst_in
 

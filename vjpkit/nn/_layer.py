@@ -90,3 +90,16 @@ def positive_pair(what: str, arg: str, v) -> tuple[int, int]:
     if pair is None or len(pair) != 2 or not all(isinstance(k, (int, np.integer)) and k > 0 for k in pair):
         raise ConfigError(f"{what}: {arg} must be a positive int or a pair of them (h, w), got {v!r}.")
     return pair
+
+
+def require_param(params: Any, key: str, who: str, shape: str) -> Any:
+    """``params[key]``, or a ``ConfigError`` naming the layer, the missing key and what it has."""
+    if isinstance(params, dict) and key in params:
+        return params[key]
+    has = f"keys {sorted(params)}" if isinstance(params, dict) else f"a {type(params).__name__}"
+    raise ConfigError(
+        f"{who}: params has no {key!r} (it has {has}). This layer's params are a dict with "
+        f"{key!r} of shape {shape}, as its init returns. Pass this layer's own entry of the "
+        "model's params (params['fc1'] for the layer named 'fc1'), or params from model.init of "
+        "this model."
+    )

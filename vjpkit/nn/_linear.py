@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _context
 from .._errors import ConfigError
 from .._format import spec
 from . import _random
-from ._layer import Layer, layer, positive_pair
+from ._layer import Layer, layer, positive_pair, require_param
 
 
 def _param_dtype(x, dtype):
@@ -60,8 +61,18 @@ def dense(features: int, use_bias: bool = True, *, dtype=None, name: str | None 
         return params
 
     def fn(params, x):
-        y = x @ params["weight"]
-        return y + params["bias"] if use_bias else y
+        who = f"nn.dense layer {_context.current_layer(name or 'dense')!r}"
+        w = require_param(params, "weight", who, "(in, out)")
+        b = require_param(params, "bias", who, "(out,)") if use_bias else None
+        if not hasattr(x, "shape") or jnp.ndim(x) < 1 or x.shape[-1] != w.shape[0]:
+            raise ConfigError(
+                f"{who}: the input {describe(x)} has {x.shape[-1] if jnp.ndim(x) else 'no'} features on "
+                f"its last axis, but weight is {describe(w)}: it expects {w.shape[0]}. Feed this layer "
+                f"inputs of shape (..., {w.shape[0]}), or re-initialise its params with model.init on "
+                "an input of the right width."
+            )
+        y = x @ w
+        return y + b if use_bias else y
 
     return layer(fn, init, name=name or "dense")
 
