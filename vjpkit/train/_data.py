@@ -59,6 +59,11 @@ class ArrayBatches:
 
     def __init__(self, data: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True):
         n = check_batch(data)
+        if n == 0:
+            raise ConfigError(
+                "fit: the data has 0 examples (every array's leading axis is empty), so there is no "
+                "batch to train on. Check how the data was loaded or filtered."
+            )
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}.")
         if batch_size > n:

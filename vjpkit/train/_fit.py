@@ -20,6 +20,7 @@ ends bit-identical to an uninterrupted one.
 from __future__ import annotations
 
 import collections
+import inspect
 import sys
 import time
 import warnings
@@ -27,9 +28,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .. import _format
 from .._errors import ConfigError, NonFiniteError
 from .._host import _pack
 from ..inspect._nonfinite import first_nonfinite
@@ -47,6 +50,39 @@ def _positive(name: str, value: Any, allow_none: bool = True) -> None:
 
 def _stack(batches: list) -> Any:
     return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
+
+
+def _check_loss_signature(loss_fn: Callable) -> None:
+    """``fit`` calls ``loss_fn(params, batch)`` (and ``key=`` when it takes one)."""
+    if not callable(loss_fn):
+        raise ConfigError(
+            f"fit: loss_fn must be callable loss_fn(params, batch), got {type(loss_fn).__name__}."
+        )
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: no signature to check
+    try:
+        sig.bind(None, None)
+    except TypeError as err:
+        name = getattr(loss_fn, "__name__", "loss_fn")
+        raise ConfigError(
+            f"fit: loss_fn {name}{sig} cannot be called as loss_fn(params, batch) ({err}). fit passes "
+            "the params and one batch (the data's pytree, e.g. a tuple (x, y)): write "
+            "def loss_fn(params, batch): x, y = batch; ..."
+        ) from None
+
+
+def _check_float_params(params: Any) -> None:
+    """Every params leaf is differentiated and updated by the optimizer, so it must be a float."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            raise ConfigError(
+                f"fit: params leaf {_format.where(path)} is {_format.spec(leaf)}, not a float array. fit "
+                "differentiates and updates every params leaf; keep integer state (counters, "
+                "indices, masks) out of params: close over it in loss_fn, or pass it in the batch."
+            )
 
 
 def fit(
@@ -142,6 +178,8 @@ def fit(
         raise ConfigError("fit: eval_every= needs eval_fn=.")
     if checkpoint_every is not None and checkpoint_dir is None:
         raise ConfigError("fit: checkpoint_every= needs checkpoint_dir=.")
+    _check_loss_signature(loss_fn)
+    _check_float_params(params)
     batches = make_batches(data, batch_size, seed)
     if epochs is not None:
         if not isinstance(batches, ArrayBatches):
