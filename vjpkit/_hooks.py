@@ -11,9 +11,9 @@ every new state against what it replaces; it never casts.
 
 from __future__ import annotations
 
-import gc
-import sys
+import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -250,10 +250,9 @@ def run(
                 )
                 states[k - 1] = new
             else:
-                counts = _refcounts(rec)
                 out = hook(rec)
                 if out is None:
-                    _warn_if_kept(rec, counts, hook, sink)
+                    _watch_kept(rec, hook)
         _check_untouched(rec, before_ids, fn)
         rec = validate(rec, out, fn, phase)
     if stateless:
@@ -263,67 +262,40 @@ def run(
     return rec, states[0] if len(states) == 1 else tuple(states)
 
 
-def _containers(rec: Cotangents) -> list:
-    """The record and its dict / tuple fields: what a hook that keeps records stores.
-
-    Array fields are left out: tracing an operation on a tracer also references it.
-    """
-    return [rec, *(v for v in (getattr(rec, f) for f in _FIELDS) if isinstance(v, (dict, tuple, list)))]
-
-
-def _refcounts(rec: Cotangents) -> list[int]:
-    return [sys.getrefcount(x) for x in _containers(rec)]
-
-
+_watch = threading.local()
 _warned: set = set()
 
 
-def _kept(rec: Cotangents, counts: list[int], ours: Any) -> bool:
-    """Whether a list, dict or set (other than ``ours``) now holds the record or a dict field.
+def _watch_kept(rec: Cotangents, hook: Callable) -> None:
+    """Remembers (weakly) a traced record a plain hook returned ``None`` for; see ``warn_kept``."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(rec)):
+        _watch.__dict__.setdefault("records", []).append((weakref.ref(rec), hook, rec.name))
 
-    A cheap refcount check first; then ``gc.get_referrers`` tells a container that stores the
-    record from JAX's traceback capture, which keeps the hook's frame (and its locals) alive.
+
+def warn_kept() -> None:
+    """Warns once per hook and layer for each watched record that is still alive.
+
+    Called by the driver once the backward pass has been traced. Under ``jit``, ``lax.scan``
+    or ``vmap`` a hook runs once, while the step is traced, on tracers: a record it stored (in a
+    list, a dict, an attribute) holds tracers, not values, and using it later raises
+    ``UnexpectedTracerError``. vjpkit keeps no record once the pass is traced, so a record
+    still alive then was kept by the hook.
     """
-    if _refcounts(rec) == counts:
-        return False
-    objects = _containers(rec)
-    for obj in objects:
-        for ref in gc.get_referrers(obj):
-            if ref is objects or ref is ours or _is_record_field(ref, rec):
-                continue
-            if isinstance(ref, (list, dict, set)):
-                return True
-    return False
-
-
-def _is_record_field(ref: Any, rec: Cotangents) -> bool:
-    return any(ref is getattr(rec, f) for f in _FIELDS)
-
-
-def _warn_if_kept(rec: Cotangents, counts: list[int], hook: Callable, ours: Any = None) -> None:
-    """Warns once when a hook kept a record of tracers (stored it, or a field, for later).
-
-    Under ``jit``, ``lax.scan`` or ``vmap`` a hook runs once, while the step is traced, on
-    tracers: a record appended to a list holds tracers, not values, and using it later raises
-    ``UnexpectedTracerError``. A hook that only computes (``jax.debug.print``) keeps nothing.
-    """
-    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(rec)):
-        return  # an eager backward pass: the record holds arrays, keeping them is fine
-    if not _kept(rec, counts, ours):
-        return
-    key = (id(hook), rec.name)
-    if key in _warned:
-        return
-    _warned.add(key)
-    warnings.warn(
-        f"vjpkit: hook {hook_name(hook)} on layer {rec.name!r} kept the record it was given (or one "
-        "of its fields), but the step is being traced (jax.jit, lax.scan or vmap), so the record "
-        "holds tracers, not values: the hook runs once at trace time, and using what it kept "
-        "later raises UnexpectedTracerError. To get values every step on the host, wrap the "
-        f"function in vk.on_host: hooks={{{rec.name!r}: vk.on_host(fn)}} (fn gets numpy arrays), "
-        "or use capture= to return records from the step.",
-        stacklevel=2,
-    )
+    records = _watch.__dict__.pop("records", [])
+    for ref, hook, name in records:
+        key = (id(hook), name)
+        if ref() is None or key in _warned:
+            continue
+        _warned.add(key)
+        warnings.warn(
+            f"vjpkit: hook {hook_name(hook)} on layer {name!r} kept the record it was given, but the "
+            "step is being traced (jax.jit, lax.scan or vmap), so the record holds tracers, not "
+            "values: the hook runs once at trace time, and using what it kept later raises "
+            "UnexpectedTracerError. To get values every step on the host, wrap the function in "
+            f"vk.on_host: hooks={{{name!r}: vk.on_host(fn)}} (fn gets numpy arrays), or use "
+            "capture= to return records from the step.",
+            stacklevel=3,
+        )
 
 
 def _update(hook: HookTransform, rec: Cotangents, state: Any) -> tuple[Cotangents, Any]:

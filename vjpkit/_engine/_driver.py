@@ -156,6 +156,7 @@ def _pull(plan: Plan, tree: Any, pullback: Callable, states0: dict, hook_state: 
     state = _slots.new_state(plan, hook_state, g_states, host)
     state, token = _slots.deliver(plan.config, captured, state, after=token)
     grads = jax.tree.unflatten(tree, g_leaves)
+    _hooks.warn_kept()  # the backward pass is traced: a record still alive was kept by a hook
     return _host.tie(token, (grads, captured, state))
 
 

@@ -162,14 +162,24 @@ class Plan:
 
     def unreachable(self, eqn: Any) -> None:
         names = _layer_names_in(eqn.params)
-        if names:
-            self.unreached += names
-            warnings.warn(
-                f"vjpkit: layer call(s) {sorted(set(names))} run inside a '{eqn.primitive.name}' "
-                "(a custom_jvp/custom_vjp function or a while loop), which vjpkit does not rewrite: "
-                "they run as plain JAX and make no record. Call them outside it to hook them.",
-                stacklevel=2,
+        if not names:
+            return
+        self.unreached += names
+        prim = eqn.primitive.name
+        if prim == "shard_map":
+            why = (
+                "a jax.shard_map inside the differentiated function, which vjpkit does not rewrite: "
+                "they run as plain JAX and make no record. Call the vjpkit transform inside the "
+                "shard_map body instead: records are then per shard."
             )
+        else:
+            why = (
+                "a custom_jvp/custom_vjp function or a while loop, which vjpkit does not rewrite: "
+                "they run as plain JAX and make no record. Call them outside it to hook them."
+            )
+        warnings.warn(
+            f"vjpkit: layer call(s) {sorted(set(names))} run inside a '{prim}' ({why})", stacklevel=2
+        )
 
     def site(self, eqn, ins, at: At) -> list[bool]:
         span = _site.span_of(eqn)
