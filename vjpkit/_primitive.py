@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax._src import config as _jax_config  # eager_constant_folding (private)
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
@@ -111,7 +112,16 @@ def bind(fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict, kind
         closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*leaves)
     closed, hoisted = _hoist(closed)
     out_tree = jax.tree.structure(out_shape)
-    outs = layer_p.bind(
+    # Staged even when every operand is concrete (an eager transform evaluates what does not
+    # depend on the differentiated arguments at trace time): a frozen teacher's calls are layer
+    # calls too, so their records exist.
+    with _jax_config.eager_constant_folding(False):
+        outs = _bind_layer(hoisted, leaves, closed, name, tree, out_tree, noted[0])
+    return jax.tree.unflatten(out_tree, outs)
+
+
+def _bind_layer(hoisted, leaves, closed, name, tree, out_tree, kind):
+    return layer_p.bind(
         *hoisted,
         *leaves,
         jaxpr=closed,
@@ -119,6 +129,5 @@ def bind(fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict, kind
         tree=tree,
         n_hoisted=len(hoisted),
         out_tree=out_tree,
-        kind=Static(noted[0]),
+        kind=Static(kind),
     )
-    return jax.tree.unflatten(out_tree, outs)

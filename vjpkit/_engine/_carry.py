@@ -74,14 +74,20 @@ def slot_avals(record: Cotangents, spec: Any, n_host: int = 0) -> dict:
         "host": tuple(jax.tree.map(_carried, record) for _ in range(n_host)),
         "host_dtypes": jax.tree.map(lambda a: a.dtype, record),
         "ran": jax.ShapeDtypeStruct((), jnp.float32),
+        "seen": jax.ShapeDtypeStruct((), jnp.float32),
     }
 
 
-def slot_value(spec: Any, rec: Cotangents, host: Any = ()) -> dict:
-    """The probe cotangent that carries ``rec`` (and the records host hooks saw) out."""
+def slot_value(spec: Any, rec: Cotangents, host: Any = (), ran: bool = True) -> dict:
+    """The probe cotangent that carries ``rec`` (and the records host hooks saw) out.
+
+    ``ran``: the call's backward pass ran (``False`` for a call the loss does not reach, whose
+    record has its forward values and zero cotangents); ``seen`` is 1 either way.
+    """
     captured = jax.tree.map(encode, reduce_record(rec, spec)) if spec is not None else None
     return {
         "captured": captured,
         "host": tuple(jax.tree.map(encode, r) for r in host),
-        "ran": jnp.ones((), jnp.float32),
+        "ran": jnp.asarray(1.0 if ran else 0.0, jnp.float32),
+        "seen": jnp.ones((), jnp.float32),
     }

@@ -133,9 +133,12 @@ def linearize(traced: Traced, hook_state: Any = None, log: list | None = None):
     handler = plan.handlers if log is None else _handlers.chain(_handlers.log(log), plan.handlers)
     runner = Runner(plan, handler, compile_calls=log is None)
     probes0 = _slots.probes(plan)
+    states0 = _slots.layer_states(plan, hook_state)
+    carriers = {s.carrier: jnp.zeros((), jnp.float32) for s in plan.active() if s.carrier}
     if traced.vma:  # per-shard records: each shard's probe varies, so its cotangent is not summed
         probes0 = jax.tree.map(lambda z: vary(z, traced.vma), probes0)
-    states0 = _slots.layer_states(plan, hook_state)
+        carriers = {k: vary(v, traced.vma) for k, v in carriers.items()}
+    states0.update(carriers)
 
     def program(leaves, probes, states):
         outs, states = runner.eval(traced.closed.jaxpr, traced.closed.consts, leaves, (), probes, states)

@@ -36,12 +36,16 @@ class Handler(NamedTuple):
         slot: ``slot(record_avals, spec, host_hooks) -> dict | None``: the probe's parts.
         before: ``before(site, rec, state) -> (rec, state)``, before the layer's own VJP.
         after: ``after(site, rec, state, parts) -> (rec, state)``; fills ``parts``.
+        unreached: ``unreached(site, rec, parts)``: a captured call whose output the loss does
+            not depend on; ``rec`` has its forward values and zero cotangents. Fills ``parts``
+            (no hook runs).
     """
 
     state: Callable | None = None
     slot: Callable | None = None
     before: Callable | None = None
     after: Callable | None = None
+    unreached: Callable | None = None
 
 
 def chain(*handlers: Handler) -> Handler:
@@ -63,7 +67,19 @@ def chain(*handlers: Handler) -> Handler:
 
         return run
 
-    return Handler(first("state"), first("slot"), threaded("before"), threaded("after"))
+    unreached = [h.unreached for h in handlers if h.unreached is not None]
+
+    def run_unreached(site, rec, parts):
+        for f in unreached:
+            f(site, rec, parts)
+
+    return Handler(
+        first("state"),
+        first("slot"),
+        threaded("before"),
+        threaded("after"),
+        run_unreached if unreached else None,
+    )
 
 
 def hooks() -> Handler:
@@ -86,7 +102,10 @@ def hooks() -> Handler:
         parts["host"] = tuple(jax.tree.map(encode, r) for r in sink)
         return rec, state
 
-    return Handler(state=state, before=before, after=after)
+    def unreached(site, rec, parts):  # no hook runs; the host part travels as zeros ("ran" is 0)
+        parts["host"] = tuple(jax.tree.map(encode, rec) for _ in site.host)
+
+    return Handler(state=state, before=before, after=after, unreached=unreached)
 
 
 def capture() -> Handler:
@@ -97,10 +116,14 @@ def capture() -> Handler:
 
     def after(site, rec, state, parts):
         value = slot_value(site.spec, rec)
-        parts["captured"], parts["ran"] = value["captured"], value["ran"]
+        parts.update(captured=value["captured"], ran=value["ran"], seen=value["seen"])
         return rec, state
 
-    return Handler(slot=slot, after=after)
+    def unreached(site, rec, parts):
+        value = slot_value(site.spec, rec, ran=False)
+        parts.update(captured=value["captured"], ran=value["ran"], seen=value["seen"])
+
+    return Handler(slot=slot, after=after, unreached=unreached)
 
 
 def log(keys: list) -> Handler:

@@ -84,6 +84,13 @@ class Site:
         return bool(self.hooks) or self.spec is not None
 
     @property
+    def carrier(self) -> str | None:
+        """The states key of the call's "live" carrier: a captured call's pass-through value whose
+        seeded cotangent makes its backward rule run even when the loss does not reach it
+        (its record then has its forward values and zero cotangents); ``None`` when uncaptured."""
+        return f"{self.key}\x00live" if self.spec is not None else None
+
+    @property
     def layout(self) -> _site.Layout:
         return self.span.layout
 

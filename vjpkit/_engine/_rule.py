@@ -95,9 +95,10 @@ def hooked(
     def bwd(res, cts):
         vjp_fn, ops_v, outs, mask, probe_axes = res
         mask = mask.value
-        g_outs, g_state, g_nst = cts
+        g_outs, (g_state, g_live), g_nst = cts
         live = any(not isinstance(g, SymbolicZero) for g in g_outs)
         g_outs = _instantiate(g_outs, out_avals)
+        g_live = None if g_live is None else _instantiate([g_live], [g_live.aval])[0]
         new_state = g_state
         if live and pre:  # the record before the VJP: pre-hooks may replace grad_output
             none = [None] * len(ops_v)
@@ -119,17 +120,20 @@ def hooked(
             for g, a, f in zip(grads, in_avals, static_flags)
         ]
         probe_ct = None
+        parts: dict = {}
         if live:
             rec = _site.record(layout, site.name, site.call, ops_v, outs, g_outs, shown)
-            parts: dict = {}
             if handler.after is not None:
                 rec, new_state = handler.after(site, rec, new_state, parts)
             shown = _replace_grads(layout, shown, rec)
-            if site.slot is not None:  # typed like the probe (a per-shard probe varies in shard_map)
-                leaves, tree = jax.tree.flatten(parts)
-                probe_ct = jax.tree.unflatten(tree, [vary(c, a) for c, a in zip(leaves, probe_axes.value)])
+        elif g_live is not None and handler.unreached is not None:  # forward values, zero cotangents
+            rec = _site.record(layout, site.name, site.call, ops_v, outs, g_outs, shown)
+            handler.unreached(site, rec, parts)
+        if parts and site.slot is not None:  # typed like the probe (a per-shard probe varies in shard_map)
+            leaves, tree = jax.tree.flatten(parts)
+            probe_ct = jax.tree.unflatten(tree, [vary(c, a) for c, a in zip(leaves, probe_axes.value)])
         out_grads = [s if m else None for s, m in zip(shown, mask)]
-        return out_grads, probe_ct, new_state, g_npr, g_nst_in
+        return out_grads, probe_ct, (new_state, g_live), g_npr, g_nst_in
 
     rule.defvjp(fwd, bwd, symbolic_zeros=True)
     return rule(list(ops), probe, state, nested_probes, nested_states)

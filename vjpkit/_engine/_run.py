@@ -86,7 +86,7 @@ class Runner:
 
     def mine(self, p, probes, states) -> tuple[dict, dict]:
         """The probes and states of the active calls inside the equation at ``p``."""
-        keys = [s.key for s in self.plan.under(p)]
+        keys = [k for s in self.plan.under(p) for k in (s.key, s.carrier) if k is not None]
         return (
             {k: probes[k] for k in keys if k in probes},
             {k: states[k] for k in keys if k in states},
@@ -133,10 +133,13 @@ class Runner:
                 return self.bind(eqn, ops), st
 
         pr, st = self.mine(p, probes, states)
-        outs, state, st = _rule.hooked(
-            site, self.handler, run_inner, invals, probes.get(site.key), states.get(site.key), pr, st
+        state_in = (states.get(site.key), states.get(site.carrier))
+        outs, (state, live), st = _rule.hooked(
+            site, self.handler, run_inner, invals, probes.get(site.key), state_in, pr, st
         )
         states = {**states, **st}
         if site.state is not None:
             states[site.key] = state
+        if site.carrier is not None:
+            states[site.carrier] = live
         return outs, states

@@ -36,7 +36,7 @@ THREADING = (
 
 
 def _stacked(site: Any) -> Any:
-    carried = {"captured": site.slot["captured"], "host": site.slot["host"], "ran": site.slot["ran"]}
+    carried = {k: site.slot[k] for k in ("captured", "host", "ran", "seen")}
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*site.scans, *a.shape), a.dtype), carried)
 
 
@@ -64,7 +64,7 @@ def read_captured(plan: Any, probe_grads: dict) -> dict:
             site.slot["dtypes"],
         )
         if site.in_cond:  # a branch not taken makes no record: NaN (integers 0), not zeros
-            ran = g["ran"] > 0
+            ran = g["seen"] > 0  # the call ran in the branch taken (reached by the loss or not)
 
             def mask(x, ran=ran):
                 r = ran.reshape(ran.shape + (1,) * (x.ndim - ran.ndim))
