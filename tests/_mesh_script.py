@@ -42,12 +42,17 @@ def main() -> dict:
     out = {"devices": n}
 
     seen = []
-    g = jax.jit(vk.grad(loss, hooks={"fc*": vk.on_host(lambda r: seen.append([r.name, list(r.input.shape)]))}))
+    g = jax.jit(
+        vk.grad(loss, hooks={"fc*": vk.on_host(lambda r: seen.append([r.name, list(r.input.shape)]))})
+    )
     for _ in range(STEPS):
         grads = jax.block_until_ready(g(PARAMS, xs, ys))
     out["on_host"] = seen
     out["grads_equal"] = bool(
-        all(np.allclose(a, b, atol=1e-6) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.grad(loss)(PARAMS, X, Y))))
+        all(
+            np.allclose(a, b, atol=1e-6)
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.grad(loss)(PARAMS, X, Y)))
+        )
     )
 
     every = []
@@ -60,7 +65,9 @@ def main() -> dict:
     out["every2_counter"] = [float(v["count"]) for v in state.host.values()]
 
     captured = []
-    g = jax.jit(vk.grad(loss, capture=vk.capture("fc*", host=vk.on_host(lambda c: captured.append(sorted(c))))))
+    g = jax.jit(
+        vk.grad(loss, capture=vk.capture("fc*", host=vk.on_host(lambda c: captured.append(sorted(c)))))
+    )
     for _ in range(STEPS):
         jax.block_until_ready(g(PARAMS, xs, ys))
     out["capture_host"] = captured
@@ -91,7 +98,9 @@ def main() -> dict:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            f = jax.shard_map(sharded_grads, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P("data")))
+            f = jax.shard_map(
+                sharded_grads, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P("data"))
+            )
             _, cap = jax.jit(f)(PARAMS, xs, ys)
         out["shard_map"] = {k: list(np.shape(v.grad_params["weight"])) for k, v in cap.items()}
     except Exception as err:  # the test checks the message
