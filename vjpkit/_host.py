@@ -232,12 +232,14 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
         return (self.passes - 1) % self.every == 0
 
     def _deliver(self, rec: Cotangents) -> None:
-        self._run(rec, f"layer {rec.name!r} (call {rec.call})")
+        self._run(rec, None)
 
-    def _run(self, payload: Any, where: str) -> None:
+    def _run(self, payload: Any, where: str | None) -> None:
         try:
             self.fn(payload)
         except Exception as err:
+            if where is None:  # a record: named only when needed (this runs once per call per step)
+                where = f"layer {payload.name!r} (call {payload.call})"
             wrapped = HostHookError(
                 f"{where}: the on_host function {getattr(self.fn, '__qualname__', self.fn)!r} raised "
                 f"{type(err).__name__}: {err}. The traceback above it shows where; the step's outputs "
