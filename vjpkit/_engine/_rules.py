@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 from jax import lax
+
+from ._site import registered
 
 
 class At(NamedTuple):
@@ -215,16 +217,6 @@ def rule_for(eqn: Any, is_site: Callable[[Any], bool]) -> Rule:
     return rule
 
 
-@contextlib.contextmanager
-def registered_rule(name: str, rule: Rule) -> Iterator[None]:
+def registered_rule(name: str, rule: Rule) -> contextlib.AbstractContextManager:
     """``RULES[name] = rule`` for the duration (push/pop: the previous rule comes back)."""
-    missing = object()
-    previous = RULES.get(name, missing)
-    RULES[name] = rule
-    try:
-        yield
-    finally:
-        if previous is missing:
-            del RULES[name]
-        else:
-            RULES[name] = previous
+    return registered(RULES, name, rule)

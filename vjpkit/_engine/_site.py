@@ -104,15 +104,22 @@ def record(
 
 
 @contextlib.contextmanager
-def registered_source(primitive: Any, source: Callable[[Any], Span | None]) -> Iterator[None]:
-    """``SOURCES[primitive] = source`` for the duration (push/pop: the previous one comes back)."""
+def registered(table: dict, key: Any, value: Any) -> Iterator[None]:
+    """``table[key] = value`` for the duration (push/pop: the previous entry comes back)."""
     missing = object()
-    previous = SOURCES.get(primitive, missing)
-    SOURCES[primitive] = source
+    previous = table.get(key, missing)
+    table[key] = value
     try:
         yield
     finally:
         if previous is missing:
-            del SOURCES[primitive]
+            del table[key]
         else:
-            SOURCES[primitive] = previous
+            table[key] = previous
+
+
+def registered_source(
+    primitive: Any, source: Callable[[Any], Span | None]
+) -> contextlib.AbstractContextManager:
+    """``SOURCES[primitive] = source`` for the duration (push/pop: the previous one comes back)."""
+    return registered(SOURCES, primitive, source)
