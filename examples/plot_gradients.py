@@ -14,9 +14,12 @@ three PNGs into ``--out``:
 * ``backward_shapes.png``: the shapes of that step's ``grad_output -> grad_input`` and
   ``grad_params``, layer by layer in backward order (``plot_backward_shapes``).
 
-Run: ``python examples/plot_gradients.py --out docs/img`` (a few seconds; without ``--out`` the
-files go to a fresh temporary directory, which is printed). The docs' pictures are made this
-way, and the run is deterministic. Needs the ``examples`` extra (scikit-learn and matplotlib):
+Run: ``python examples/plot_gradients.py`` (a few seconds; the files go to a fresh temporary
+directory, which is printed, or to ``--out DIR``). The run is deterministic: on one machine and
+JAX version it computes the same numbers every time. The docs' pictures (``docs/img``) are this
+script's, at its defaults: ``python scripts/make_doc_images.py`` remakes them, and
+``tests/test_doc_images.py`` checks what ``docs/inspect.md`` says about them against this
+script's numbers. Needs the ``examples`` extra (scikit-learn and matplotlib):
 ``pip install -e ".[examples]"``.
 """
 
@@ -85,14 +88,27 @@ def main(argv=None) -> dict:
     backward = list(captured)  # fc2, relu3, fc1, flat, pool, relu2, conv2, relu1, conv1
 
     # 3. The three pictures.
-    plot_gradient_flow(history, layers=backward, path=out / FILES[0])
     with_params = [k for k in backward if jax.tree.leaves(captured[k].grad_params)]
-    plot_histograms(captured, fields=("grad_output", "grad_params"), layers=with_params, path=out / FILES[1])
-    plot_backward_shapes(captured, path=out / FILES[2])
+    figures = {
+        FILES[0]: plot_gradient_flow(history, layers=backward, path=out / FILES[0]),
+        FILES[1]: plot_histograms(
+            captured, fields=("grad_output", "grad_params"), layers=with_params, path=out / FILES[1]
+        ),
+        FILES[2]: plot_backward_shapes(captured, path=out / FILES[2]),
+    }
     paths = [out / name for name in FILES]
     for p in paths:
         print(f"wrote {p} ({p.stat().st_size / 1024:.0f} KB)")
-    return dict(paths=paths, history=history, captured=captured, state=state, out=out)
+    return dict(
+        paths=paths,
+        figures=figures,
+        history=history,
+        metrics=metrics,
+        captured=captured,
+        with_params=with_params,
+        state=state,
+        out=out,
+    )
 
 
 if __name__ == "__main__":
