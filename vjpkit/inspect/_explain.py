@@ -70,7 +70,7 @@ def tree_lines(tree: Any) -> list[str]:
         return ["{}" if isinstance(tree, dict) else "()"]
     if len(leaves) == 1 and not leaves[0][0]:
         return [spec(leaves[0][1])]
-    return [f"{path(path)}: {spec(leaf)}" for path, leaf in leaves]
+    return [f"{path(keys)}: {spec(leaf)}" for keys, leaf in leaves]
 
 
 def plain_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
