@@ -92,7 +92,12 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     pex = data["per_example"]
     assert set(pex["median_ms"]) == {"vjpkit", "vmap(grad)", "value_and_grad"}
     eager = data["eager"]
-    assert set(eager["median_ms"]) == {"vk.grad, hooks, eager", "jax.grad, eager"}
+    assert set(eager["median_ms"]) == {
+        "vk.grad, hooks, eager",
+        "vk.grad, capture norms, eager",
+        "vk.grad built per call (hooks + capture), eager",
+        "jax.grad, eager",
+    }
     host = data["host"]  # host_bench.py: it asserts itself that fit delivered every record once
     assert len(host["hooks"]) == 3 and [f["model"] for f in host["fit"]] == ["mlp_small"]
     assert len(host["targets"]) == 4 and all(t["met"] in (True, False) for t in host["targets"])
@@ -102,7 +107,8 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     assert [t["met"] in (True, False) for t in quick_mem["targets"]] == [True]
     assert "quickstart peak memory" in stdout
     assert eager["ratio"] > 0 and eager["inner_jit_traces"] >= 1
-    assert [t["met"] in (True, False) for t in eager["targets"]] == [True] * 3
+    assert [t["met"] in (True, False) for t in eager["targets"]] == [True] * 6
+    assert eager["ratio_capture"] > 0 and eager["ratio_per_call"] > 0
     assert all(m["peak_mb"] > 0 for m in pex["xla_memory"].values())
     assert "| raw JAX |" in stdout and "Per-example gradient norms" in stdout
 
