@@ -63,7 +63,10 @@ def _check_loss_signature(loss_fn: Callable) -> None:
     except (TypeError, ValueError):
         return  # a builtin or C callable: no signature to check
     try:
-        sig.bind(None, None)
+        if _wants_key(loss_fn):
+            sig.bind(None, None, key=None)
+        else:
+            sig.bind(None, None)
     except TypeError as err:
         name = getattr(loss_fn, "__name__", "loss_fn")
         raise ConfigError(
