@@ -15,11 +15,17 @@ Kinds are static descriptions, never arrays. This module imports no framework an
 * ``LayerKind("dense")``: ``y = x @ W + b`` over the trailing ``in_ndim`` axes of ``x`` (``W``
   flattened to ``(in, out)``; ``transpose`` when the layer stores ``W`` as ``(out, in)``, as
   Equinox does). ``roles`` maps param paths to ``"weight"`` / ``"bias"``.
-* ``LayerKind("conv")``: a 2-D NHWC convolution with an HWIO kernel, known ``strides`` and
-  ``padding``.
+* ``LayerKind("conv")``: a channels-last convolution (1-D NWC with a WIO kernel, 2-D NHWC
+  with an HWIO kernel) with the layer's own ``strides``, ``padding`` (``"SAME"``, ``"VALID"`` or
+  ``((lo, hi), ...)``) and kernel ``dilation`` (``()``: none), never inferred from shapes.
 * ``LayerKind("local")``: any layer whose per-example parameter gradient is ``vjp`` of
   ``fn(params, x_i)`` at ``grad_output_i``; ``batched`` says whether ``fn`` expects the
-  example with a leading batch axis of 1 (Flax) or without (Equinox).
+  example with a leading batch axis of 1 (Flax) or without (Equinox). ``vk.inspect`` takes
+  that vjp of the call's own computation as traced on one example (which also holds any
+  ``vmap`` s inside the model), so ``fn`` describes the layer but is not needed there.
+* ``LayerKind("batch")``: a layer whose output for one example depends on the other examples
+  of its input (batch statistics: batch norm in training mode); per-example gradients are not
+  defined through it.
 * ``AffineNorm(normalize)``: ``y = normalize(params, x) * scale + bias`` over the last axis
   (``vjpkit.nn``'s layer and RMS norms, batch norm in eval mode), every other parameter
   receiving no gradient; ``normalize(params, x)`` takes the layer's params keyed by their path
@@ -41,12 +47,13 @@ _local = threading.local()
 class LayerKind:
     """A layer call's kind (see the module docstring)."""
 
-    kind: str  # "dense" | "conv" | "local"
+    kind: str  # "dense" | "conv" | "local" | "batch"
     roles: dict[str, str] = dataclasses.field(default_factory=dict)  # param path -> "weight" | "bias"
     transpose: bool = False
     in_ndim: int = 1
-    strides: tuple[int, int] = (1, 1)
+    strides: tuple[int, ...] = (1, 1)
     padding: Any = "SAME"
+    dilation: tuple[int, ...] = ()  # conv kernel dilation per spatial axis; () means none
     fn: Callable | None = None
     batched: bool = True
 

@@ -50,6 +50,8 @@ def _kind(module: Any) -> _kinds.LayerKind | None:
         static = eqx.filter(module, eqx.is_inexact_array, inverse=True)
         fn = lambda p, x: _patch.unpatched(type(module))(eqx.combine(p, static), x)
         return _kinds.LayerKind("local", fn=fn, batched=False)
+    if type(module) is eqx.nn.BatchNorm and not module.inference:
+        return _kinds.LayerKind("batch")  # statistics of the batch: examples are not independent
     return None
 
 

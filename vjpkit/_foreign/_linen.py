@@ -59,23 +59,37 @@ def _kind(module: nn.Module) -> _kinds.LayerKind | None:
             return _kinds.LayerKind("dense", {"kernel": "weight", "bias": "bias"}, in_ndim=n)
         return _local_kind(module)
     if type(module) is nn.Conv:
-        ks = module.kernel_size
+        ks = (module.kernel_size,) if isinstance(module.kernel_size, int) else tuple(module.kernel_size)
+        n, pad = len(ks), module.padding
+        if isinstance(pad, int):
+            pad = ((pad, pad),) * n
+        elif not isinstance(pad, str) and not callable(pad):
+            pad = tuple((p, p) if isinstance(p, int) else tuple(p) for p in pad)
         ok = (
-            len(ks) == 2
+            n in (1, 2)
             and module.feature_group_count == 1
-            and _pairs(module.input_dilation) == (1, 1)
-            and _pairs(module.kernel_dilation) == (1, 1)
-            and module.padding not in ("CIRCULAR", "CAUSAL", "REFLECT")
-            and not (isinstance(module.padding, int) or callable(module.padding))
+            and _pairs(module.input_dilation, n) == (1,) * n
+            and getattr(module, "mask", None) is None
+            and getattr(module, "conv_general_dilated", None) is None
+            and getattr(module, "conv_general_dilated_cls", None) is None
+            and not callable(pad)
+            and pad not in ("CIRCULAR", "CAUSAL", "REFLECT")
+            and (isinstance(pad, str) or len(pad) == n)
         )
         if ok:
-            pad = module.padding
-            if not isinstance(pad, str):
-                pad = tuple((p, p) if isinstance(p, int) else tuple(p) for p in pad)
             return _kinds.LayerKind(
-                "conv", {"kernel": "weight", "bias": "bias"}, strides=_pairs(module.strides), padding=pad
+                "conv",
+                {"kernel": "weight", "bias": "bias"},
+                strides=_pairs(module.strides, n),
+                padding=pad,
+                dilation=_pairs(module.kernel_dilation, n),
             )
         return _local_kind(module)
+    if type(module) is nn.BatchNorm:
+        running = module.use_running_average
+        if running is False or (running is None and module.is_mutable_collection("batch_stats")):
+            return _kinds.LayerKind("batch")  # statistics of the batch: examples are not independent
+        return None
     if type(module) in (nn.Embed, nn.LayerNorm, nn.RMSNorm):
         return _local_kind(module)
     return None

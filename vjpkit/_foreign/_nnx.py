@@ -54,6 +54,8 @@ def _kind(module: Any) -> _kinds.LayerKind | None:
             return call(nnx.merge(graphdef, params, rest), x)
 
         return _kinds.LayerKind("local", fn=fn, batched=True)
+    if type(module) is nnx.BatchNorm and module.use_running_average is False:  # model.train()
+        return _kinds.LayerKind("batch")  # statistics of the batch: examples are not independent
     return None
 
 

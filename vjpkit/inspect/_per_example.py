@@ -1,54 +1,78 @@
 """Per-example gradient norms, and DP-SGD clipping, from layer records.
 
-Contract. ``loss_fn(params, *batch)`` returns a scalar ``L`` that is a reduction over the
-batch axis 0 of independent per-example terms: ``L = mean_i l_i`` (``reduction="mean"``, the
-default) or ``L = sum_i l_i`` (``reduction="sum"``), where ``l_i`` is ``loss_fn`` on example
-``i`` alone (a batch of one). Every positional argument after ``params`` is a pytree of arrays
-with the batch on axis 0; anything else is closed over. Each vjpkit layer call must treat the
-rows of its input independently (no batch norm, no attention across the batch).
-The per-example gradient is ``g_i = grad l_i`` whatever the reduction: for a mean, the
-records' ``grad_output`` holds ``(1/B) dl_i/dy_i``, and it is rescaled by ``B``.
-``per_example_grad_norms`` returns ``||g_i||`` for each example, in total, per layer and
-per parameter leaf, and ``dp_clip`` clips each ``g_i`` to norm ``C`` and adds noise.
+Contract. ``loss_fn(params, *batch)`` returns a scalar ``L`` that reduces independent
+per-example terms over the batch axis 0: ``L = mean_i l_i`` (``reduction="mean"``, the default)
+or ``L = sum_i l_i`` (``reduction="sum"``), where ``l_i = loss_fn(params, *example_i)`` is the
+loss on example ``i`` alone (a batch of one, every batch array indexed ``[i:i+1]``). Every
+positional argument after ``params`` is a pytree of arrays with the batch on axis 0; anything
+else is closed over. The per-example gradient is ``g_i = grad l_i`` whatever the reduction,
+exactly what ``jax.vmap(jax.grad(l))`` over the examples gives (the reference the tests use).
+``per_example_grad_norms`` returns ``||g_i||`` for each example, in total, per layer and per
+parameter leaf, and ``dp_clip`` clips each ``g_i`` to norm ``C`` and adds noise.
 
-How each parameter leaf's per-example gradient is handled:
+How the example axis is found: by dataflow, never by shape. The loss is evaluated as
+``mean_i l_i`` (or the sum) with ``jax.vmap`` over the examples: one forward and one backward
+pass, through vjpkit's records. Under ``vmap`` each layer call stays one call over the whole
+batch, and its operands carry the example axis wherever the batching rules put it. A
+shape-only trace of the same vmapped loss over a batch of one gives every record field the
+same shape with the example axis of length 1, so the example axis of each field is the one axis
+whose length differs (``B`` against 1): a time-major layer ``(T, B, d)``, a batch permuted or
+reversed inside the loss, and ``T == B`` are all exact. A field without that axis does not
+depend on the example (a positional embedding looked up with ``arange``). The ``loss`` and
+``grads`` returned are those of this evaluation: equal to ``jax.value_and_grad(loss_fn)`` (up to
+float rounding) whenever ``loss_fn`` keeps to the contract.
 
-* which layer calls use which leaf is found by *identity*, in a shape-only forward trace: a
-  ``vk.HookTransform`` whose ``init`` sees each call's params. So weight sharing (a layer called
-  twice, or one array used by two layers) is exact: the calls' contributions add per example.
+Each parameter leaf gets its per-example gradient one of these ways:
+
+* which layer calls use which leaf is found by *identity* (the engine's plan of the program), so
+  weight sharing (a layer called twice, one array given to two layers) is exact: the calls'
+  contributions add per example. A leaf the program also uses anywhere else (a weight penalty
+  in the loss, a transposed or cast copy given to a layer, a tied use such as ``Embed.attend``
+  inside a parent module, a ``lax.scan``) is found by walking the program and falls back (last
+  item), with a warning naming the leaf and that use.
 * dense (``weight (in, out)``, optional ``bias (out,)``, output ``input @ weight + bias`` on the
-  last axis): from the captured ``input`` ``x_i`` and ``grad_output`` ``d_i`` of every call,
-  ``||g_i||^2 = ||x_i||^2 ||d_i||^2`` for 2-D inputs; for sequences ``(B, T, in)`` (and for
-  several calls, stacked on ``T``) ``<X_i X_i^T, D_i D_i^T>`` when ``T^2 <= in*out``, else the
-  per-example weight gradient of *that layer only* ``X_i^T D_i`` (the cheaper of the two: the
-  "mixed ghost norm"). The bias gradient is ``sum_t d_it``.
-* conv2d (NHWC ``weight (kh, kw, in, out)``) and conv1d (NWC ``weight (k, in, out)``): stride
-  and padding are not in the record, so they are inferred from the shapes (SAME preferred, then
-  VALID, smallest stride), or given with ``conv={glob: (stride, padding)}``. The per-example
-  kernel gradients of that layer are then computed exactly as a vmapped vjp of
-  ``lax.conv_general_dilated`` per example (XLA turns it into one grouped convolution):
-  ``B * prod(kernel shape)`` floats for that layer, no more.
-* attention (``nn.multi_head_attention``) is its dense projections ``q``, ``k``, ``v``, ``out``:
-  sequence dense layers above; its ``dot_product`` part has no parameters.
-* affine norms (layers that note themselves as ``nn.AffineNorm`` while traced:
-  ``nn.rms_norm``, and ``nn.batch_norm`` in eval mode): ``y = x_hat * scale + bias`` on the last
-  axis, with ``x_hat`` recomputed from the captured ``input``; per example, the ``scale``
-  gradient is ``sum_t d_it * x_hat_it`` and the ``bias`` gradient ``sum_t d_it`` over every axis
-  but the batch and the last, and any other parameter (running statistics) gets zero.
-* any other leaf (embedding, layer_norm, custom layers, params used outside vjpkit layers)
-  falls back to ``jax.vmap(jax.grad)`` of ``l_i`` with respect to those leaves only, with a
-  ``UserWarning`` naming the layer.
+  last axis; Flax ``Dense``/``DenseGeneral``, NNX and Equinox ``Linear`` by their kind): from
+  the records' ``input`` ``X_i`` and ``grad_output`` ``D_i`` of every call, example axis first,
+  ``||g_i||^2 = ||x_i||^2 ||d_i||^2`` when each example is one row; otherwise (sequences, and
+  several calls stacked on ``T``) ``<X_i X_i^T, D_i D_i^T>`` when ``T^2 <= in*out``, else the
+  per-example weight gradient of *that layer only* ``X_i^T D_i`` (the "mixed ghost norm"). The
+  bias gradient is ``sum_t d_it``.
+* convolutions (``nn.conv2d``, ``nn.conv1d`` and Flax ``Conv`` give their kind with their own
+  strides, padding and dilation; nothing is inferred from shapes; a custom layer with a
+  conv-shaped ``weight`` is a conv only with ``conv={glob: (stride, padding)}``): the
+  per-example kernel gradients of that layer only, a vmapped vjp of
+  ``lax.conv_general_dilated`` per example (``B * prod(kernel shape)`` floats).
+* affine norms (layers that note themselves as ``_kinds.AffineNorm``: ``nn.rms_norm``,
+  ``nn.batch_norm`` in eval mode): ``y = x_hat * scale + bias`` on the last axis, with
+  ``x_hat`` recomputed from the captured ``input``; per example the ``scale`` gradient is
+  ``sum_t d_it * x_hat_it`` and the ``bias`` gradient ``sum_t d_it``; other parameters (running
+  statistics) get zero.
+* "local" kinds (Flax ``Embed``/``LayerNorm``/``RMSNorm``, NNX ``Embed``/``LayerNorm``/
+  ``RMSNorm``/``Conv``, Equinox ``Embedding``/``LayerNorm``/``RMSNorm``/``Conv2d``, also under
+  nested ``vmap`` s): a vmap over the examples of the vjp of *that call's own computation* on one
+  example (the call as traced over a batch of one), so ``B * (its params)`` floats.
+* a leaf used only by calls whose inputs are the same for every example (a positional
+  embedding looked up with ``arange``; found by dataflow from the batch) is lifted over the
+  examples: broadcast and vmapped like the batch, so its calls become per-example calls and
+  their ``grad_params`` are the ``g_i``, in the same single pass (``B * (its size)`` floats).
+* anything else (``nn.embedding``, ``nn.layer_norm``, custom layers, layers inside
+  ``lax.scan``, leaves used outside the layers' params, a leaf used both per example and by an
+  example-independent call) falls back to ``jax.vmap(jax.grad)`` of ``l_i`` with respect to those leaves
+  only, with a ``UserWarning`` naming each layer, its leaves and why. Exact, never silent.
+* a layer that mixes the examples of its input (batch statistics: ``nn.batch_norm`` with
+  ``train=True``, Flax/NNX/Equinox ``BatchNorm`` in training mode) breaks the contract: its
+  per-example gradients are not defined, and the call raises a ``ConfigError`` naming it.
 * a runtime consistency check (``check=True``): per fast-path leaf, the sum of the per-example
-  gradients must equal the batch gradient (tested through a fixed random projection for dense
-  weights, so it costs a matrix-vector product), to a relative tolerance of 1e-3 of a bound on
-  the rounding error (float32). A layer is recognised as dense or conv by its params and record
-  shapes, so the check is what catches one whose gradient is not ``x^T d`` anyway (a custom
-  layer, a wrongly inferred stride, a weight also used transposed, a weight penalty inside the
-  loss, which is not a per-example term: put weight decay in the optimizer). A leaf that fails
-  gets NaN norms (and NaN DP gradients): loud, never a silently wrong value.
+  gradients must equal the batch gradient (for dense weights through a fixed random projection,
+  a matrix-vector product), to a relative tolerance of 1e-3 of a bound on the rounding error. A
+  leaf with a dense-shaped ``{"weight", "bias"}`` and no kind is taken as dense by its shapes;
+  if it is not (a custom layer), the check fails and that leaf gets NaN norms (and NaN DP
+  gradients), never a silently wrong value, and a ``UserWarning`` names the layer when the
+  computation runs (a host callback, only when a check fails).
 
-The fast path costs one ordinary backward pass plus ``O(B * (in + out))`` per dense call; no
-per-example weight gradient of a dense layer with 2-D input is ever formed.
+With a batch of one, ``g_0`` is the batch gradient itself. The fast path costs one ordinary
+backward pass plus ``O(B * (in + out))`` per dense call; no per-example weight gradient of a
+dense layer with one row per example is ever formed.
 """
 
 from __future__ import annotations
@@ -62,6 +86,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 
 from .. import _engine, _format
 from .._autodiff import value_and_grad as _vk_value_and_grad
@@ -71,7 +96,7 @@ from .._kinds import AffineNorm, LayerKind
 
 __all__ = ["PerExampleNorms", "dp_clip", "dp_noise", "per_example_grad_norms"]
 
-_DN = {4: ("NHWC", "HWIO", "NHWC"), 3: ("NWC", "WIO", "NWC")}
+_DN = {4: ("NHWC", "HWIO", "NHWC"), 3: ("NWC", "WIO", "NWC")}  # by kernel ndim
 
 
 class PerExampleNorms(NamedTuple):
@@ -91,7 +116,7 @@ class PerExampleNorms(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------
-# Trace-time analysis: which layer calls use which parameter leaves.
+# Trace-time analysis: the per-example program, its layer calls and which leaves each one uses.
 
 
 @dataclasses.dataclass
@@ -103,21 +128,61 @@ class _Call:
     kind: Any = None  # what the layer noted about itself (nn._kinds), e.g. an AffineNorm
     tree: Any = None  # the structure of the call's params, and the leaf index of each of its leaves
     order: list[int | None] = dataclasses.field(default_factory=list)
-    foreign: LayerKind | None = None  # a foreign layer's kind (Flax, NNX, Equinox)
-    container: bool = False  # a foreign call that contains other layer calls (a parent module)
+    foreign: LayerKind | None = None  # a foreign layer's kind (Flax, NNX, Equinox), or a conv's
+    container: bool = False  # a call that contains other layer calls (a parent module)
+    jaxpr: Any = None  # the call's computation in the program over a batch of one (a ClosedJaxpr)
+    layout: Any = None  # its operands' layout (_engine.Layout)
+    record: Any = None  # its record's shapes in that program (the example axis has length 1)
+    batched: bool = True  # some operand depends on the example (False: the same for all examples)
 
 
-def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_Call]:
-    """The layer calls of ``loss_fn`` in forward order, with the params leaves each one uses."""
+def _per_example_loss(
+    loss_fn: Callable, n_batch: int, reduction: str, who: str, lifted: frozenset = frozenset()
+) -> Callable:
+    """``fun(params, *batch)``: ``mean_i l_i`` (or the sum), the ``l_i`` vmapped over the examples.
+
+    The params leaves ``lifted`` (indices) are broadcast over the examples and vmapped like the
+    batch: the layer calls that use them are then per-example calls whose ``grad_params`` is
+    ``grad l_i`` of those leaves, and their gradient sums back through the broadcast.
+    """
+
+    def single(params, *example):
+        out = loss_fn(params, *jax.tree.map(lambda a: a[None], example))
+        if not (hasattr(out, "shape") and tuple(out.shape) == ()):
+            raise ConfigError(
+                f"{who}: loss_fn must return a scalar: the mean (reduction='mean') or the sum "
+                f"(reduction='sum') over the batch of per-example losses; on a batch of one example "
+                f"it returned {getattr(out, 'shape', type(out).__name__)}."
+            )
+        return out
+
+    def fun(params, *batch):
+        axes = None
+        if lifted:
+            size = int(np.shape(jax.tree.leaves(batch)[0])[0])
+            flat, treedef = jax.tree.flatten(params)
+            flat = [
+                jnp.broadcast_to(a, (size, *jnp.shape(a))) if i in lifted else a for i, a in enumerate(flat)
+            ]
+            params = jax.tree.unflatten(treedef, flat)
+            axes = jax.tree.unflatten(treedef, [0 if i in lifted else None for i in range(len(flat))])
+        losses = jax.vmap(single, in_axes=(axes, *([0] * n_batch)))(params, *batch)
+        return jnp.mean(losses) if reduction == "mean" else jnp.sum(losses)
+
+    return fun
+
+
+def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list[_Call], dict]:
+    """The layer calls of ``fun`` (forward order) with the params leaves each one uses, and the
+    leaves the program uses other than as a layer call's params (``{leaf index: (in a loop or
+    branch, which use)}``)."""
     config = _engine.configure(None, None, who)
-    traced = _engine.trace(config, loss_fn, (params, *batch), argnums=(0,), check=False)
-    out = traced.closed.out_avals[0]
-    if not (hasattr(out, "shape") and tuple(out.shape) == ()):
-        raise ConfigError(
-            f"{who}: loss_fn must return a scalar: the mean (reduction='mean') or the sum "
-            f"(reduction='sum') over the batch of per-example losses; it returned "
-            f"{getattr(out, 'shape', type(out).__name__)}."
-        )
+    args = (params, *batch)
+    traced = _engine.trace(config, fun, args, argnums=tuple(range(len(args))), check=False)
+    n_leaves = len(jax.tree.leaves(params))  # the program's inputs: params leaves, then the batch
+    n_inputs = len(traced.closed.jaxpr.invars)
+    batched: set[int] = set()  # ids of the layer equations some example-dependent value reaches
+    _batched_calls(traced.closed.jaxpr, [k >= n_leaves for k in range(n_inputs)], batched, {})
     calls = []
     plan = traced.plan
     for key in plan.order:
@@ -126,6 +191,7 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
         paths = jax.tree_util.tree_flatten_with_path(site.record.params)[0]
         entries, derived, order = {}, [], []
         for (path, aval), origin, flag in zip(paths, site.origins[n:], site.flags[n:]):
+            origin = origin if origin is not None and origin < n_leaves else None
             local_name = _format.path(path)
             if origin is None and flag:
                 derived.append(local_name)
@@ -137,10 +203,122 @@ def _map_calls(loss_fn: Callable, params: Any, batch: tuple, who: str) -> list[_
         call = _Call(key, site.name, entries, derived, norm, params_tree, order)
         call.foreign = kind if isinstance(kind, LayerKind) else None
         call.container = plan.contains_calls(site)
+        call.jaxpr, call.layout, call.record = site.span.jaxpr, site.layout, site.record
+        call.batched = id(site.eqn) in batched or bool(site.scans) or site.in_cond
         if call.foreign is not None and call.foreign.kind in ("dense", "conv"):
             call.params = {call.foreign.roles.get(k, k): v for k, v in call.params.items()}
         calls.append(call)
-    return calls
+    outside: dict[int, tuple[bool, str]] = {}
+    tags = [k if k < n_leaves else None for k in range(n_inputs)]
+    _walk_uses(traced.closed.jaxpr, tags, None, outside, {})
+    return calls, outside
+
+
+def _span(eqn: Any) -> Any:
+    source = _engine.SOURCES.get(eqn.primitive)
+    return None if source is None else source(eqn)
+
+
+def _sub_jaxprs(params: dict) -> list:
+    subs = []
+    for v in params.values():
+        for s in v if isinstance(v, (tuple, list)) else [v]:
+            if isinstance(s, jcore.ClosedJaxpr):
+                subs.append(s.jaxpr)
+            elif isinstance(s, jcore.Jaxpr):
+                subs.append(s)
+    return subs
+
+
+def _has_calls(jaxpr: Any, cache: dict) -> bool:
+    """Whether a layer call runs anywhere inside ``jaxpr``."""
+    if id(jaxpr) not in cache:
+        cache[id(jaxpr)] = any(
+            _span(e) is not None or any(_has_calls(j, cache) for j in _sub_jaxprs(e.params))
+            for e in jaxpr.eqns
+        )
+    return cache[id(jaxpr)]
+
+
+# primitives whose one sub-program takes the operands as they are: walked through
+_TRANSPARENT = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+                "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}  # fmt: skip
+
+
+def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict) -> list:
+    """Records in ``out`` each params leaf (``tags``: the leaf index each input is, or None) that
+    ``jaxpr`` uses other than as the params of a layer call: ``(in a loop or branch, the use)``.
+    Returns the leaf index each output is (values passed through unchanged), or None."""
+    env = {v: t for v, t in zip(jaxpr.invars, tags) if t is not None}
+
+    def read(a):
+        return None if isinstance(a, jcore.Literal) else env.get(a)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        if all(t is None for t in ins):
+            continue
+        span = _span(eqn)
+        if span is not None:
+            n = span.layout.n_hoisted
+            n_params = span.layout.tree.children()[0].num_leaves
+            for k, t in enumerate(ins):
+                if t is not None and k < n:
+                    out.setdefault(t, (False, f"closed over by layer {span.name!r} (not one of its params)"))
+                elif t is not None and k >= n + n_params:
+                    out.setdefault(t, (False, f"given to layer {span.name!r} as an input, not as its params"))
+            if _has_calls(span.jaxpr.jaxpr, cache):  # a parent module: its own code may use them too
+                _walk_uses(span.jaxpr.jaxpr, ins, span.name, out, cache)
+            continue
+        sub = eqn.params.get(_TRANSPARENT.get(eqn.primitive.name, ""))
+        sub = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+        if isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
+            for v, t in zip(eqn.outvars, _walk_uses(sub, ins, where, out, cache)):
+                if t is not None:
+                    env[v] = t
+            continue
+        prim = eqn.primitive.name
+        if prim in ("scan", "while", "cond"):
+            use = f"passed into a '{prim}' (a layer called in a loop or branch has no per-example record)"
+        elif where:
+            use = f"used by a '{prim}' in layer {where!r} outside its sublayers (e.g. a tied Embed.attend)"
+        else:
+            use = (
+                f"used by a '{prim}' in the loss itself (e.g. a weight penalty: put weight decay in "
+                "the optimizer; or a transposed or cast copy given to a layer)"
+            )
+        for t in ins:
+            if t is not None:
+                out.setdefault(t, (prim in ("scan", "while", "cond"), use))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _batched_calls(jaxpr: Any, tainted: list, out: set, cache: dict) -> list:
+    """Adds to ``out`` the id of every layer equation of ``jaxpr`` (and of the calls and jits it
+    holds) that a value depending on the example reaches (``tainted``: per input); under
+    ``vmap`` exactly these calls are batched. Returns, per output, whether it depends on it."""
+    env = {v for v, t in zip(jaxpr.invars, tainted) if t}
+
+    def read(a):
+        return not isinstance(a, jcore.Literal) and a in env
+
+    for eqn in jaxpr.eqns:
+        ins = [read(a) for a in eqn.invars]
+        span = _span(eqn)
+        sub = None if span is not None else eqn.params.get(_TRANSPARENT.get(eqn.primitive.name, ""))
+        sub = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+        if span is not None:
+            if any(ins):
+                out.add(id(eqn))
+            if _has_calls(span.jaxpr.jaxpr, cache):
+                _batched_calls(span.jaxpr.jaxpr, ins, out, cache)
+            outs = [any(ins)] * len(eqn.outvars)  # the batching rule batches every output
+        elif isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
+            outs = _batched_calls(sub, ins, out, cache)
+        else:
+            outs = [any(ins)] * len(eqn.outvars)
+        env.update(v for v, t in zip(eqn.outvars, outs) if t)
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _batch_size(batch: tuple, who: str) -> int:
@@ -156,7 +334,20 @@ def _batch_size(batch: tuple, who: str) -> int:
             f"{who}: every batch argument must have the batch on axis 0, with one batch size; got "
             f"shapes {shapes}. Close over anything that is not per-example."
         )
-    return sizes.pop()
+    size = sizes.pop()
+    if size == 0:
+        raise ConfigError(f"{who}: the batch has no examples (axis 0 has length 0).")
+    return size
+
+
+def _mixes(call: _Call) -> bool:
+    """A layer that mixes the examples of its input (batch statistics)."""
+    if call.foreign is not None and call.foreign.kind == "batch":
+        return True
+    # nn.batch_norm in training mode: it notes itself as an AffineNorm only in eval mode
+    return (
+        call.kind is None and call.foreign is None and any(k.startswith("batch_stats/") for k in call.params)
+    )
 
 
 def _escape(name: str) -> str:
@@ -167,113 +358,162 @@ def _tuple(v: Any, n: int) -> tuple[int, ...]:
     return (int(v),) * n if isinstance(v, (int, np.integer)) else tuple(int(a) for a in v)
 
 
-def _infer_1d(n: int, k: int, n_out: int) -> tuple[int, tuple[int, int]] | None:
-    """(stride, (lo, hi)) of a conv dimension from its sizes: SAME first, then VALID."""
-    if n_out == 1:  # one output position: the stride plays no role
-        total = max(k - n, 0)
-        return 1, (total // 2, total - total // 2)
-    for s in range(1, n + 1):
-        if -(-n // s) == n_out:
-            total = max((n_out - 1) * s + k - n, 0)
-            return s, (total // 2, total - total // 2)
-    for s in range(1, n + 1):
-        if n >= k and (n - k) // s + 1 == n_out:
-            return s, (0, 0)
-    return None
+def _padding(padding: Any) -> Any:
+    return padding if isinstance(padding, str) else tuple((int(lo), int(hi)) for lo, hi in padding)
 
 
-def _conv_padding(padding: Any, shape_in, kernel, strides) -> tuple[tuple[int, int], ...]:
-    if isinstance(padding, str):
-        return tuple(jax.lax.padtype_to_pads(shape_in, kernel, strides, padding))
-    return tuple((int(lo), int(hi)) for lo, hi in padding)
+# --------------------------------------------------------------------------------------------
+# Records with the example axis first, and what kind of per-example gradient a call gets.
+
+
+def _example_axes(real: list, one: list, batch_size: int) -> list[int | None] | None:
+    """Per leaf, the example axis: where the real record (batch ``B``) and the record of the
+    same program over a batch of one differ (``None``: no such axis; the leaf does not depend on
+    the example). ``None`` overall when the shapes do not differ on exactly one such axis."""
+    axes = []
+    for r, o in zip(real, one):
+        if r is None or o is None:
+            axes.append(None)
+            continue
+        rs, os_ = tuple(np.shape(r)), tuple(o.shape)
+        if len(rs) != len(os_):
+            return None
+        diff = [k for k, (a, b) in enumerate(zip(rs, os_)) if a != b]
+        if not diff:
+            axes.append(None)
+        elif len(diff) == 1 and os_[diff[0]] == 1 and rs[diff[0]] == batch_size:
+            axes.append(diff[0])
+        else:
+            return None
+    return axes
+
+
+def _none_leaves(tree: Any) -> list:
+    return jax.tree.leaves(tree, is_leaf=lambda v: v is None)
+
+
+@dataclasses.dataclass
+class _View:
+    """One captured record's input and grad_output leaves, each with its example axis."""
+
+    xs: list
+    x_axes: list
+    ds: list
+    d_axes: list
+
+    def single(self) -> tuple[jax.Array, jax.Array] | None:
+        """``(x, d)`` with the example axis first, for one batched input and one batched output."""
+        if len(self.xs) != 1 or len(self.ds) != 1 or self.ds[0] is None:
+            return None
+        if self.x_axes[0] is None or self.d_axes[0] is None:
+            return None
+        return jnp.moveaxis(self.xs[0], self.x_axes[0], 0), jnp.moveaxis(self.ds[0], self.d_axes[0], 0)
+
+
+_NOT_PER_EXAMPLE = (
+    "no fast path: its input does not depend on the example (the same for every example, e.g. "
+    "positions from arange), so its record holds no per-example part"
+)
+
+
+def _view(call: _Call, rec: Any, batch_size: int) -> _View | str:
+    """The call's record as a ``_View``, or why it has none."""
+    xs, one_x = jax.tree.leaves(rec.input), jax.tree.leaves(call.record.input)
+    ds, one_d = _none_leaves(rec.grad_output), _none_leaves(call.record.grad_output)
+    if len(xs) != len(one_x) or len(ds) != len(one_d):
+        return "no fast path: its record does not match the program's"
+    x_axes, d_axes = _example_axes(xs, one_x, batch_size), _example_axes(ds, one_d, batch_size)
+    if x_axes is None or d_axes is None:
+        return "no fast path: its record's example axis could not be found"
+    if all(a is None for a in x_axes):
+        return _NOT_PER_EXAMPLE
+    return _View(xs, x_axes, ds, d_axes)
 
 
 @dataclasses.dataclass
 class _Use:
     key: str
     role: str
-    kind: str  # "dense" | "conv" | "norm"
-    conv: Any = None  # (strides, padding) for conv; the AffineNorm for norm
+    kind: str  # "dense" | "conv" | "norm" | "local"
+    conv: Any = None  # (strides, padding, dilation) for conv; the AffineNorm for norm
 
 
-def _classify(call: _Call, rec: Any, batch_size: int, conv_cfg: dict, who: str) -> tuple[str | None, Any]:
-    """``("dense" | "conv" | "norm" | None, config)`` from the call's params and record shapes."""
+def _float(a: Any) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def _classify(call: _Call, view: _View, conv_cfg: dict) -> tuple[str | None, Any]:
+    """``("dense" | "conv" | "norm" | "local", config)``, or ``(None, why not)``."""
     roles = set(call.params)
+    no = (None, "no fast path for this layer type")
+    pair = view.single()
     if isinstance(call.kind, AffineNorm):
-        x, d = (None, None) if rec is None else (rec.input, rec.grad_output)
         ok = (
-            hasattr(x, "shape")
-            and hasattr(d, "shape")
-            and x.ndim >= 2
-            and d.shape == x.shape
-            and x.shape[0] == batch_size
-            and jnp.issubdtype(x.dtype, jnp.floating)
-            and all(call.params[r][1] == (x.shape[-1],) for r in ("scale", "bias") if r in roles)
+            pair is not None
+            and pair[0].ndim >= 2
+            and pair[1].shape == pair[0].shape
+            and _float(pair[0])
+            and all(call.params[r][1] == (pair[0].shape[-1],) for r in ("scale", "bias") if r in roles)
             and not call.derived
         )
-        return ("norm", call.kind) if ok else (None, None)
-    if call.foreign is not None and call.foreign.kind == "local" and rec is not None:
-        return _classify_local(call, rec, batch_size)
-    if "weight" not in roles or not roles <= {"weight", "bias"} or rec is None:
-        return None, None
-    if call.foreign is not None and call.foreign.kind == "dense":
-        return _classify_foreign_dense(call, rec, batch_size)
-    if call.foreign is not None and call.foreign.kind == "conv":
-        strides, padding = call.foreign.strides, call.foreign.padding
-        conv_cfg = {_escape(call.name): (strides, padding), **conv_cfg}
-    x, d = rec.input, rec.grad_output
-    if not (hasattr(x, "shape") and hasattr(d, "shape")) or x.ndim < 2 or d.ndim != x.ndim:
-        return None, None
-    if x.shape[0] != batch_size or d.shape[0] != batch_size:
-        return None, None
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return None, None
+        return ("norm", call.kind) if ok else (None, "no fast path: its record is not an affine norm's")
+    kind = call.foreign
+    if kind is not None and kind.kind == "local":
+        return _classify_local(call, view)
+    if "weight" not in roles or not roles <= {"weight", "bias"}:
+        return no
+    if pair is None or not _float(pair[0]):
+        return None, "no fast path: it needs one float input and one float output per example"
+    x, d = pair
+    if kind is not None and kind.kind == "dense":
+        return _classify_foreign_dense(call, x, d)
+    if d.ndim != x.ndim:
+        return no
     w = call.params["weight"][1]
     b = call.params.get("bias", (None, None))[1]
-    if len(w) == 2:
+    if kind is None and len(w) == 2:
         ok = x.shape[-1] == w[0] and d.shape == (*x.shape[:-1], w[1]) and b in (None, (w[1],))
-        return ("dense", None) if ok else (None, None)
-    if len(w) in (3, 4) and x.ndim == len(w):
-        *kernel, cin, cout = w
-        n = len(kernel)
-        if x.shape[-1] != cin or d.shape[-1] != cout or b not in (None, (cout,)):
-            return None, None
-        for glob, cfg in conv_cfg.items():
-            if fnmatch.fnmatchcase(call.name, glob):
-                stride, padding = cfg
-                strides = _tuple(stride, n)
-                pads = _conv_padding(padding, x.shape[1 : 1 + n], tuple(kernel), strides)
-                return "conv", (strides, pads)
-        dims = [_infer_1d(x.shape[1 + a], kernel[a], d.shape[1 + a]) for a in range(n)]
-        if None in dims:
-            return None, "no-infer"
-        return "conv", (tuple(s for s, _ in dims), tuple(p for _, p in dims))
-    return None, None
+        return ("dense", None) if ok else no
+    if len(w) not in (3, 4) or x.ndim < len(w):
+        return no
+    *kernel, cin, cout = w
+    n = len(kernel)
+    if x.shape[-1] != cin or d.shape[-1] != cout or b not in (None, (cout,)):
+        return no
+    if kind is not None and kind.kind == "conv":
+        dilation = _tuple(kind.dilation, n) if kind.dilation else (1,) * n
+        return "conv", (_tuple(kind.strides, n), _padding(kind.padding), dilation)
+    for glob, (stride, padding) in conv_cfg.items():
+        if fnmatch.fnmatchcase(call.name, glob):
+            return "conv", (_tuple(stride, n), _padding(padding), (1,) * n)
+    return None, (
+        "no fast path: a conv-shaped weight, but the layer does not give its strides and padding "
+        "(pass conv={name: (stride, padding)})"
+    )
 
 
-def _classify_local(call: _Call, rec: Any, batch_size: int) -> tuple[str | None, Any]:
-    leaves = jax.tree.leaves((rec.input, rec.grad_output))
-    if None in call.order or not leaves or any(np.shape(a)[:1] != (batch_size,) for a in leaves):
-        return None, None
+def _classify_local(call: _Call, view: _View) -> tuple[str | None, Any]:
+    n_kwargs = call.layout.tree.children()[2].num_leaves
+    if None in call.order or call.layout.n_hoisted or n_kwargs:
+        return None, "no fast path: it takes values other than its params and inputs"
     return "local", None
 
 
-def _classify_foreign_dense(call: _Call, rec: Any, batch_size: int) -> tuple[str | None, Any]:
+def _classify_foreign_dense(call: _Call, x: jax.Array, d: jax.Array) -> tuple[str | None, Any]:
     """A Flax ``Dense``/``DenseGeneral``, NNX ``Linear`` or Equinox ``Linear`` call."""
-    x, d, kind = rec.input, rec.grad_output, call.foreign
-    if not (hasattr(x, "shape") and hasattr(d, "shape")) or x.ndim < kind.in_ndim + 1:
-        return None, None
-    if x.shape[0] != batch_size or d.shape[0] != batch_size or not jnp.issubdtype(x.dtype, jnp.floating):
-        return None, None
+    kind = call.foreign
+    no = (None, "no fast path: its record is not a dense layer's")
+    if x.ndim < kind.in_ndim + 1:
+        return no
     w = call.params["weight"][1]
     lead = x.ndim - kind.in_ndim
     n_in, n_out = int(np.prod(x.shape[lead:])), int(np.prod(d.shape[lead:]))
     if d.shape[:lead] != x.shape[:lead] or int(np.prod(w)) != n_in * n_out:
-        return None, None
+        return no
     split = len(w) - (d.ndim - lead) if not kind.transpose else d.ndim - lead
     w_in = w[split:] if kind.transpose else w[:split]
     if int(np.prod(w_in)) != n_in:
-        return None, None
+        return no
     return "dense", None
 
 
@@ -386,29 +626,47 @@ class _Reshaped(_Leaf):
         return self._layout(self.inner.sum_sq())
 
 
-def _local_per_example(call: _Call, param_leaves: list, x: Any, d: Any) -> dict[str, jax.Array]:
-    """Per-example gradients of one call's params: a vmap of *that layer's* vjp over examples."""
-    kind = call.foreign
-    p = jax.tree_util.tree_unflatten(call.tree, [param_leaves[i] for i in call.order])
+def _local_per_example(call: _Call, param_leaves: list, view: _View) -> dict[str, jax.Array]:
+    """Per-example gradients of one call's params: a vmap over the examples of the vjp of the
+    call's own computation (as traced over a batch of one) on that example's operands."""
+    fn = jcore.jaxpr_as_fun(call.jaxpr)
+    p = [param_leaves[i] for i in call.order]
+    out_avals = call.jaxpr.out_avals
 
-    def one(xi, di):
-        if kind.batched:
-            xi, di = jax.tree.map(lambda a: a[None], (xi, di))
-        _, pullback = jax.vjp(lambda q: kind.fn(q, xi), p)
-        return pullback(di.astype(jnp.result_type(di)))[0]
+    def one(xs, ds):
+        xs = [x if a is None else jnp.expand_dims(x, a) for x, a in zip(xs, view.x_axes)]
+        _, pullback = jax.vjp(lambda q: fn(*q, *xs), p)
+        cts = []
+        for aval, d, a in zip(out_avals, ds, view.d_axes):
+            if not jnp.issubdtype(aval.dtype, jnp.inexact):
+                cts.append(np.zeros(aval.shape, jax.dtypes.float0))
+            elif d is None:
+                cts.append(jnp.zeros(aval.shape, aval.dtype))
+            else:
+                cts.append((d if a is None else jnp.expand_dims(d, a)).astype(aval.dtype))
+        return pullback(cts)[0]
 
-    g = jax.vmap(one)(x, d)
-    return {_format.path(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]}
+    g = jax.vmap(one, in_axes=(view.x_axes, view.d_axes))(view.xs, view.ds)
+    return dict(zip(call.params, g))
 
 
-def _conv_per_example(x: jax.Array, d: jax.Array, kernel_shape, strides, pads) -> jax.Array:
-    """Per-example kernel gradients ``(B, *kernel_shape)`` of one conv call (1-D or 2-D), exactly."""
+def _conv_per_example(x: jax.Array, d: jax.Array, kernel_shape, strides, padding, dilation) -> jax.Array:
+    """Per-example kernel gradients ``(B, *kernel_shape)`` of one conv call (1-D or 2-D), exactly;
+    ``x``, ``d``: the example axis first, then the example's own leading axes (its batch of one)."""
     zero = jnp.zeros(kernel_shape, x.dtype)
-    dn = _DN[x.ndim]
+    n = len(kernel_shape) - 2
+    dn = _DN[n + 2]
 
     def one(xi, di):
-        conv = lambda w: jax.lax.conv_general_dilated(xi[None], w, strides, pads, dimension_numbers=dn)
-        return jax.vjp(conv, zero)[1](di[None])[0]
+        xi = xi.reshape(-1, *xi.shape[xi.ndim - n - 1 :])
+        di = di.reshape(-1, *di.shape[di.ndim - n - 1 :])
+
+        def conv(w):
+            return jax.lax.conv_general_dilated(
+                xi, w, strides, padding, rhs_dilation=dilation, dimension_numbers=dn
+            )
+
+        return jax.vjp(conv, zero)[1](di)[0]
 
     return jax.vmap(one)(x, d)
 
@@ -455,86 +713,139 @@ def analyze(
     batch_size = _batch_size(batch, who)
     flat_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
     paths = [_format.path(p) for p, _ in flat_paths]
-    calls = [c for c in _map_calls(loss_fn, params, batch, who) if not c.container]
-    conv = dict(conv or {})
-
+    fun = _per_example_loss(loss_fn, len(batch), reduction, who)
+    one = jax.tree.map(lambda a: a[:1], batch)
+    all_calls, outside = _map_calls(fun, params, one, who)
+    calls = [c for c in all_calls if not c.container]
     owners, wanted = [], []
     for i, path in enumerate(paths):
         owner = next((c.name for c in calls if any(ix == i for ix, _ in c.params.values())), None)
         wanted.append(select is None or (owner is not None and select(owner)))
         owners.append(owner if owner is not None else (path.rsplit("/", 1)[0] if "/" in path else path))
-
-    def _could_be_fast(c: _Call) -> bool:
-        shapes = {k: s for k, (_, s) in c.params.items()}
-        if c.foreign is not None and c.foreign.kind in ("local", "dense"):
-            return any(ix is not None and wanted[ix] for ix, _ in c.params.values())
-        shaped = (
-            "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
+    if not any(wanted):  # no per-example gradient asked for (gradient_stats without variance)
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        return Analysis(loss, grads, batch_size, paths, owners, [None] * len(paths), treedef, {}, calls)
+    mixing = [c.name for c in calls if _mixes(c)]
+    if mixing:
+        raise ConfigError(
+            f"{who}: layer(s) {sorted(set(mixing))} normalise with statistics of the batch (batch norm "
+            "in training mode): one example's output depends on the other examples, so per-example "
+            "gradients are not defined (and DP-SGD's clipping does not bound an example's influence). "
+            "Use the layer in eval mode (running statistics), or a per-example norm (layer, group or "
+            "RMS norm)."
         )
-        return (shaped or isinstance(c.kind, AffineNorm)) and any(
-            ix is not None and wanted[ix] for ix, _ in c.params.values()
-        )
-
-    names = sorted({c.name for c in calls if _could_be_fast(c)})
-    if names:
-        spec = _capture([_escape(n) for n in names], fields=list(capture_fields))
-        (loss, grads), captured = _vk_value_and_grad(loss_fn, capture=spec)(params, *batch)
-    else:
-        (loss, grads), captured = jax.value_and_grad(loss_fn)(params, *batch), {}
-    grad_leaves = jax.tree.leaves(grads)
-    param_leaves = jax.tree.leaves(params)
+    conv = dict(conv or {})
     scale = float(batch_size) if reduction == "mean" else 1.0
-
-    calls_by_key = {c.key: c for c in calls}
-    # Which calls use each leaf, and how.
-    uses: list[list[_Use | None]] = [[] for _ in paths]
-    no_infer: set[str] = set()
-    for c in calls:
-        kind, cfg = (
-            _classify(c, captured.get(c.key), batch_size, conv, who) if c.name in names else (None, None)
-        )
-        if cfg == "no-infer":
-            no_infer.add(c.name)
-        for role, (ix, _) in c.params.items():
-            if ix is not None:
-                uses[ix].append(_Use(c.key, role, kind, cfg) if kind else None)
 
     def scaled(a):
         return a.astype(jnp.float32) * jnp.float32(scale)
 
+    if batch_size == 1:  # the one example's gradient is the batch gradient
+        loss, grads = jax.value_and_grad(fun)(params, *batch)
+        leaves = [
+            _Materialized(scaled(g)[None]) if w else None for g, w in zip(jax.tree.leaves(grads), wanted)
+        ]
+        return Analysis(loss, grads, 1, paths, owners, leaves, treedef, {}, calls)
+
+    # Leaves whose every use is a call with an input the same for all examples (positions from
+    # arange): lifted over the examples, their calls' grad_params are per example.
+    users: dict[int, list[_Call]] = {}
+    for c in calls:
+        for ix in {ix for ix, _ in c.params.values() if ix is not None}:
+            users.setdefault(ix, []).append(c)
+    lifted = {
+        ix
+        for ix, cs in users.items()
+        if wanted[ix] and ix not in outside and all(not c.batched and None not in c.order for c in cs)
+    }
+    lifted_names = {c.name for ix in lifted for c in users[ix]}
+    for c in calls:  # one capture spec per name: a name with a batched call is not lifted
+        if c.name in lifted_names and c.batched:
+            lifted -= {ix for ix, _ in c.params.values()}
+    lifted_names = {c.name for ix in lifted for c in users[ix]}
+    run = _per_example_loss(loss_fn, len(batch), reduction, who, frozenset(lifted))
+
+    def _could_be_fast(c: _Call) -> bool:
+        if c.name in lifted_names or not any(
+            ix is not None and wanted[ix] and ix not in outside for ix, _ in c.params.values()
+        ):
+            return False
+        shapes = {k: s for k, (_, s) in c.params.items()}
+        if isinstance(c.kind, AffineNorm) or (c.foreign is not None and c.foreign.kind in ("local", "dense")):
+            return True
+        return "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
+
+    names = sorted({c.name for c in calls if _could_be_fast(c)})
+    specs = [_capture([_escape(n) for n in names], fields=list(capture_fields))] if names else []
+    if lifted_names:
+        specs.append(_capture([_escape(n) for n in sorted(lifted_names)], fields=["grad_params"]))
+    if specs:
+        (loss, grads), captured = _vk_value_and_grad(run, capture=specs)(params, *batch)
+    else:
+        (loss, grads), captured = jax.value_and_grad(run)(params, *batch), {}
+    grad_leaves = jax.tree.leaves(grads)
+    param_leaves = jax.tree.leaves(params)
+
+    calls_by_key = {c.key: c for c in calls}
+    views: dict[str, _View] = {}
+    # Which calls use each leaf, and how; why a call has no fast path.
+    uses: list[list[_Use | None]] = [[] for _ in paths]
+    why: dict[str, str] = {}
+    for c in calls:
+        kind, cfg = None, "no fast path for this layer type"
+        if c.name in names and c.key in captured:
+            view = _view(c, captured[c.key], batch_size)
+            if isinstance(view, str):
+                cfg = view
+            else:
+                views[c.key] = view
+                kind, cfg = _classify(c, view, conv)
+        if kind is None:
+            why[c.key] = cfg
+        for role, (ix, _) in c.params.items():
+            if ix is not None:
+                uses[ix].append(_Use(c.key, role, kind, cfg) if kind else None)
+
     leaves: list[_Leaf | None] = []
-    fallback: list[int] = []
+    fallback: dict[int, str] = {}
     for i in range(len(paths)):
         if not wanted[i]:
             leaves.append(None)
             continue
+        if i in lifted:
+            g = _lifted_per_example(i, users[i], captured, tuple(grad_leaves[i].shape), batch_size)
+            if g is None:
+                leaves.append(None)
+                fallback[i] = _NOT_PER_EXAMPLE
+            else:
+                leaves.append(_Materialized(scaled(g)))
+            continue
         u = uses[i]
         kinds = {(x.kind, x.role) for x in u if x is not None}
-        if not u or None in u or len(kinds) != 1:
+        if i in outside or not u or None in u or len(kinds) != 1:
             leaves.append(None)
-            fallback.append(i)
+            fallback[i] = _fallback_reason(i, u, outside, calls, why)
             continue
         kind, role = kinds.pop()
         agg = grad_leaves[i] if check else None
-        recs = [captured[x.key] for x in u]
+        vs = [views[x.key] for x in u]
         if kind == "local":
             g = 0.0
-            for r, x_use in zip(recs, u):
-                call = next(c for c in calls if c.key == x_use.key)
-                pex = _local_per_example(call, param_leaves, r.input, r.grad_output)
-                g = g + pex[x_use.role].astype(jnp.float32) * jnp.float32(scale)
+            for v, x_use in zip(vs, u):
+                pex = _local_per_example(calls_by_key[x_use.key], param_leaves, v)
+                g = g + scaled(pex[x_use.role])
             ok = None
             if agg is not None:
                 bound = jnp.sum(jnp.abs(g), axis=0)
                 ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
             leaves.append(_Materialized(g, ok))
             continue
+        pairs = [v.single() for v in vs]
         if kind == "dense" and role == "weight":
-            foreign = [next(c.foreign for c in calls if c.key == x_use.key) for x_use in u]
-            fk = foreign[0]
+            fk = calls_by_key[u[0].key].foreign
             n_in_axes = fk.in_ndim if fk is not None else 1
-            xs = [r.input.astype(jnp.float32) for r in recs]
-            ds = [scaled(r.grad_output) for r in recs]
+            xs = [x.astype(jnp.float32) for x, _ in pairs]
+            ds = [scaled(d) for _, d in pairs]
             lead = xs[0].ndim - n_in_axes
             x = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in xs], 1)
             d = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in ds], 1)
@@ -551,11 +862,11 @@ def analyze(
         if kind == "norm":
             shape = grad_leaves[i].shape
             leaves.append(
-                _norm_leaf(role, recs, u, calls_by_key, param_leaves, shape, batch_size, scaled, agg)
+                _norm_leaf(role, pairs, u, calls_by_key, param_leaves, shape, batch_size, scaled, agg)
             )
             continue
         if role == "bias":
-            ds = [scaled(r.grad_output) for r in recs]
+            ds = [scaled(d) for _, d in pairs]
             b_shape = tuple(grad_leaves[i].shape)
             nb = int(np.prod(b_shape))
             g = sum(jnp.sum(a.reshape(batch_size, -1, nb), axis=1) for a in ds).reshape(batch_size, *b_shape)
@@ -569,10 +880,10 @@ def analyze(
         shape = grad_leaves[i].shape
         g = 0.0
         bound = 0.0
-        for r, x_use in zip(recs, u):
-            strides, pads = x_use.conv
-            xi, di = r.input.astype(jnp.float32), scaled(r.grad_output)
-            g = g + _conv_per_example(xi, di, shape, strides, pads)
+        for (x, d), x_use in zip(pairs, u):
+            strides, padding, dilation = x_use.conv
+            xi, di = x.astype(jnp.float32), scaled(d)
+            g = g + _conv_per_example(xi, di, shape, strides, padding, dilation)
             axes = tuple(range(1, xi.ndim))
             per = jnp.sqrt(jnp.sum(jnp.square(xi), axis=axes) * jnp.sum(jnp.square(di), axis=axes))
             bound = bound + jnp.sqrt(float(np.prod(shape[:-2]))) * jnp.sum(per)
@@ -580,31 +891,56 @@ def analyze(
         leaves.append(_Materialized(g, ok))
 
     if fallback:
-        _warn_fallback(fallback, paths, owners, calls, uses, no_infer, who)
-        per_example = _vmap_grads(loss_fn, params, batch, fallback)
+        _warn_fallback(fallback, paths, owners, who)
+        per_example = _vmap_grads(loss_fn, params, batch, list(fallback))
         for i, g in zip(fallback, per_example):
             leaves[i] = _Materialized(g.astype(jnp.float32))
-    derived = sorted({c.name for c in calls if c.derived})
-    if derived:
-        warnings.warn(
-            f"{who}: layer(s) {derived} use parameters computed inside the loss (not leaves of params, "
-            "e.g. a tied weight passed transposed). Their contribution reaches the source leaf only "
-            "through the batch gradient: a leaf with such a use and a dense/conv fast path fails the "
-            "consistency check and gets NaN norms. Do the computation inside an nn.layer instead.",
-            stacklevel=3,
-        )
+    _report_failed_checks(leaves, paths, owners, who)
     return Analysis(loss, grads, batch_size, paths, owners, leaves, treedef, captured, calls)
 
 
-def _norm_leaf(role, recs, uses, calls_by_key, param_leaves, shape, batch_size, scaled, agg) -> _Leaf:
+def _lifted_per_example(i: int, users: list[_Call], captured: dict, shape: tuple, batch_size: int):
+    """``g_i`` of leaf ``i`` lifted over the examples: its calls' ``grad_params``, summed, or None."""
+    g = 0.0
+    for c in users:
+        rec = captured.get(c.key)
+        if rec is None or rec.grad_params is None:
+            continue
+        for ix, leaf in zip(c.order, _none_leaves(rec.grad_params)):
+            if ix != i or leaf is None:
+                continue
+            if tuple(leaf.shape) != (batch_size, *shape):
+                return None
+            g = g + leaf
+    return jnp.zeros((batch_size, *shape), jnp.float32) if isinstance(g, float) else g
+
+
+def _fallback_reason(i: int, uses: list, outside: dict, calls: list[_Call], why: dict) -> str:
+    users = [c for c in calls if any(ix == i for ix, _ in c.params.values())]
+    if i in outside:
+        loop, use = outside[i]
+        if loop:
+            return f"no fast path: the leaf is {use}"
+        if users:
+            return f"no fast path: the leaf is also {use}"
+        return f"used outside any vjpkit layer's params: {use}"
+    if not users:
+        return "used outside any vjpkit layer"
+    for c in users:
+        if c.key in why:
+            return why[c.key]
+    return "no fast path: its layers compute different kinds of gradient for it"
+
+
+def _norm_leaf(role, pairs, uses, calls_by_key, param_leaves, shape, batch_size, scaled, agg) -> _Leaf:
     """Per-example gradients of one affine-norm parameter: ``scale``, ``bias`` or a statistic."""
     g, bound = 0.0, 0.0
-    for r, use in zip(recs, uses):
-        d = scaled(r.grad_output)
+    for (x, d), use in zip(pairs, uses):
+        d = scaled(d)
         axes = tuple(range(1, d.ndim - 1))
         if role == "scale":
             local = {k: param_leaves[ix] for k, (ix, _) in calls_by_key[use.key].params.items()}
-            x_hat = use.conv.normalize(local, r.input).astype(jnp.float32)
+            x_hat = use.conv.normalize(local, x).astype(jnp.float32)
             term = d * x_hat
         elif role == "bias":
             term = d
@@ -619,22 +955,11 @@ def _norm_leaf(role, recs, uses, calls_by_key, param_leaves, shape, batch_size, 
     return _Materialized(g, ok)
 
 
-def _warn_fallback(fallback, paths, owners, calls, uses, no_infer, who) -> None:
-    by_owner: dict[str, list[str]] = {}
-    for i in fallback:
-        by_owner.setdefault(owners[i], []).append(paths[i])
-    layer_names = {c.name for c in calls}
-    parts = []
-    for owner, leaf_paths in by_owner.items():
-        if owner in no_infer:
-            why = (
-                "conv stride/padding cannot be inferred from the shapes (pass conv={name: (stride, padding)})"
-            )
-        elif owner in layer_names:
-            why = "no fast path for this layer type"
-        else:
-            why = "used outside any vjpkit layer"
-        parts.append(f"{owner!r} ({why}; params {leaf_paths})")
+def _warn_fallback(fallback: dict[int, str], paths, owners, who) -> None:
+    groups: dict[tuple[str, str], list[str]] = {}
+    for i, reason in fallback.items():
+        groups.setdefault((owners[i], reason), []).append(paths[i])
+    parts = [f"{owner!r} ({reason}; params {leaf_paths})" for (owner, reason), leaf_paths in groups.items()]
     warnings.warn(
         f"{who}: per-example gradients of {'; '.join(parts)} fall back to jax.vmap(jax.grad) of the "
         "per-example loss with respect to those parameters only (exact, but it forms their "
@@ -642,6 +967,30 @@ def _warn_fallback(fallback, paths, owners, calls, uses, no_infer, who) -> None:
         UserWarning,
         stacklevel=4,
     )
+
+
+def _report_failed_checks(leaves: list, paths: list[str], owners: list[str], who: str) -> None:
+    """A ``UserWarning`` naming every leaf whose consistency check fails (NaN norms), when the
+    computation runs: a host callback, called only when a check fails."""
+    checked = [(i, leaf.ok) for i, leaf in enumerate(leaves) if leaf is not None and leaf.ok is not None]
+    if not checked:
+        return
+    labels = [f"{owners[i]!r} ({paths[i]})" for i, _ in checked]
+    oks = jnp.stack([jnp.asarray(ok, bool).reshape(()) for _, ok in checked])
+
+    def host(flags):
+        bad = [label for label, ok in zip(labels, np.asarray(flags)) if not ok]
+        if bad:
+            warnings.warn(
+                f"{who}: the per-example gradients of {', '.join(bad)} do not sum to the batch "
+                "gradient, so their norms (and DP gradients) are NaN. The layer was taken as dense "
+                "(or conv) by its parameter shapes, but its gradient is not x^T d (a custom layer): "
+                "give it a kind, or compute it with jax.vmap(jax.grad).",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    jax.lax.cond(jnp.all(oks), lambda f: None, lambda f: jax.debug.callback(host, f), oks)
 
 
 def _vmap_grads(loss_fn: Callable, params: Any, batch: tuple, indices: list[int]) -> list[jax.Array]:
@@ -711,13 +1060,18 @@ def per_example_grad_norms(
             ``grad l_i`` either way (for a mean, ``B`` times example ``i``'s share of ``grad L``).
         check: verify per fast-path leaf that the per-example gradients sum to the batch
             gradient; a leaf that fails gets NaN norms.
-        conv: ``{glob: (stride, padding)}`` for conv layers whose stride and padding should not
-            be inferred from the shapes.
+        conv: ``{glob: (stride, padding)}`` for custom layers with a conv-shaped ``weight`` that
+            give no kind (``nn.conv2d``, ``nn.conv1d`` and Flax ``Conv`` give their own); such
+            a layer without an entry falls back, with a warning. Nothing is inferred from shapes.
 
     Returns:
-        ``f(params, *batch) -> (loss, grads, norms)``: ``loss`` and ``grads`` as
-        ``jax.value_and_grad(loss_fn)`` returns them, and a ``PerExampleNorms``. It can be
-        jitted.
+        ``f(params, *batch) -> (loss, grads, norms)``: ``loss`` and ``grads`` of the mean (or
+        sum) of the per-example losses, evaluated under ``jax.vmap`` over the examples (what
+        ``jax.value_and_grad(loss_fn)`` returns, up to float rounding, for a loss that keeps to
+        the contract), and a ``PerExampleNorms``. It can be jitted.
+
+    Raises:
+        ConfigError: a layer mixes the examples of its input (batch norm in training mode).
 
     Examples:
         >>> norms_fn = jax.jit(vk.inspect.per_example_grad_norms(loss_fn))

@@ -4,7 +4,8 @@ Contract: each returns an ``Layer`` built with ``layer``, so
 every call is hookable. Parameter names and layouts are part of the API contract: ``dense`` has
 ``weight (in, out)`` and ``bias (out,)`` with ``y = x @ weight + bias``; ``conv2d`` is NHWC
 with ``weight (kh, kw, in, out)``; ``conv1d`` is NWC with ``weight (k, in, out)``.
-Parameters take ``dtype``, else the input's float dtype.
+Parameters take ``dtype``, else the input's float dtype. The convolutions give their kind
+(``_kinds.LayerKind("conv")`` with their strides and padding) while traced.
 Initialisation follows PyTorch's defaults (uniform in +-1/sqrt(fan_in)).
 """
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _context
+from .. import _context, _kinds
 from .._errors import ConfigError
 from .._format import spec
 from . import _random
@@ -77,6 +78,16 @@ def dense(features: int, use_bias: bool = True, *, dtype=None, name: str | None 
     return layer(fn, init, name=name or "dense")
 
 
+def _static_padding(padding):
+    """``padding`` as a hashable static value (a string, or ``((lo, hi), ...)``); as given if neither."""
+    if isinstance(padding, str):
+        return padding
+    try:
+        return tuple((int(lo), int(hi)) for lo, hi in padding)
+    except (TypeError, ValueError):
+        return padding  # not a padding lax accepts: the convolution itself raises on the first call
+
+
 def conv2d(
     features: int,
     kernel_size,
@@ -116,7 +127,11 @@ def conv2d(
             params["bias"] = _uniform(k2, (features,), fan_in, dt)
         return params
 
+    pads2 = _static_padding(padding)
+    kind2 = _kinds.LayerKind("conv", {"weight": "weight", "bias": "bias"}, strides=strides, padding=pads2)
+
     def fn(params, x):
+        _kinds.note(kind2)  # the per-example fast path reads strides and padding here, not from shapes
         y = jax.lax.conv_general_dilated(
             x, params["weight"], strides, padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
         )
@@ -166,6 +181,9 @@ def conv1d(
     if not (padding in ("SAME", "VALID") or explicit):
         raise ConfigError(f"{what}: padding must be 'SAME', 'VALID' or [(lo, hi)] ints, got {padding!r}.")
     pads = padding if isinstance(padding, str) else [tuple(padding[0])]
+    kind1 = _kinds.LayerKind(
+        "conv", {"weight": "weight", "bias": "bias"}, strides=(int(stride),), padding=_static_padding(pads)
+    )
 
     def check(x):
         if not hasattr(x, "shape") or len(x.shape) != 3:
@@ -189,6 +207,7 @@ def conv1d(
                 f"{what}: the input has {x.shape[-1]} channels (shape {tuple(x.shape)}) but weight "
                 f"{tuple(w.shape)} expects {w.shape[1]}."
             )
+        _kinds.note(kind1)  # the per-example fast path reads stride and padding here, not from shapes
         y = jax.lax.conv_general_dilated(x, w, (stride,), pads, dimension_numbers=("NWC", "WIO", "NWC"))
         return y + params["bias"] if use_bias else y
 
