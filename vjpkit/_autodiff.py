@@ -81,11 +81,11 @@ def _argnums(argnums: Any, nargs: int, transform: str) -> tuple[int, ...]:
 
 
 def _transform(
-    jax_transform: Callable, name: str, fun: Callable, argnums, has_aux: bool, hooks, capture
+    jax_transform: Callable, name: str, fun: Callable, argnums, has_aux: bool, hooks, capture, match
 ) -> Callable:
     if not callable(fun):
         raise ConfigError(f"{name}: fun must be callable, got {type(fun).__name__}.")
-    config = _engine.configure(hooks, capture, name)
+    config = _engine.configure(hooks, capture, name, match)
     if not config.hooks and not config.capture:
         return jax_transform(_scalar_loss(fun, has_aux, name), argnums=argnums, has_aux=has_aux)
     with_value = jax_transform is jax.value_and_grad
@@ -129,6 +129,7 @@ def grad(
     *,
     hooks: dict | None = None,
     capture: Any = None,
+    match: bool | None = None,
 ) -> Callable:
     """``jax.grad`` with named, hookable layer cotangents.
 
@@ -141,6 +142,9 @@ def grad(
             ``vk.on_host(fn)`` runs ``fn`` on the host instead.
         capture: a glob, globs, or ``vk.capture(...)`` spec(s): the function then returns
             ``(result, captured)`` with ``captured = {call key: Cotangents}`` computed in-graph.
+        match: find the layers of plain JAX code (``x @ params["fc1"]["w"]``) in the traced
+            program, named by parameter path (``docs/plain-jax.md``). Default on; the
+            environment variable ``VJPKIT_MATCH=0`` turns the default off.
 
     Returns:
         A function with ``fun``'s signature returning what ``jax.grad`` returns; with
@@ -152,7 +156,7 @@ def grad(
         ...     return rec.replace(grad_params=jax.tree.map(lambda g: g / 2, rec.grad_params))
         >>> grads = jax.jit(vk.grad(loss, hooks={"fc1": halve_fc1}))(params, x, y)
     """
-    return _transform(jax.grad, "vk.grad", fun, argnums, has_aux, hooks, capture)
+    return _transform(jax.grad, "vk.grad", fun, argnums, has_aux, hooks, capture, match)
 
 
 def value_and_grad(
@@ -162,13 +166,14 @@ def value_and_grad(
     *,
     hooks: dict | None = None,
     capture: Any = None,
+    match: bool | None = None,
 ) -> Callable:
     """``jax.value_and_grad`` with named, hookable layer cotangents; see ``grad``.
 
     Examples:
         >>> (loss_value, grads) = vk.value_and_grad(loss, hooks={"fc*": vk.on_host(print)})(params, x, y)
     """
-    return _transform(jax.value_and_grad, "vk.value_and_grad", fun, argnums, has_aux, hooks, capture)
+    return _transform(jax.value_and_grad, "vk.value_and_grad", fun, argnums, has_aux, hooks, capture, match)
 
 
 def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> HookState:

@@ -84,17 +84,20 @@ class Config:
         hooks: ``(glob, (hook, ...))`` pairs, in the user's order.
         capture: capture specs (``vjpkit._capture.CaptureSpec``).
         transform: the public name of the transform, for error messages.
+        match: find the layers of plain JAX code in the traced program (``docs/plain-jax.md``).
         token: one per configuration content (``content_token``), for JAX's trace caches.
     """
 
     hooks: tuple[tuple[str, tuple[Callable, ...]], ...] = ()
     capture: tuple[Any, ...] = ()
     transform: str = "vk.grad"
+    match: bool = True
     token: int = dataclasses.field(default=0, compare=False)
 
     def __post_init__(self):
         if not self.token:
-            object.__setattr__(self, "token", content_token((self.hooks, self.capture, self.transform)))
+            content = (self.hooks, self.capture, self.transform, self.match)
+            object.__setattr__(self, "token", content_token(content))
 
     def hooks_for(self, name: str) -> tuple[Callable, ...]:
         """All hooks whose glob matches ``name``, in the order they were given."""

@@ -33,38 +33,47 @@ from jax.interpreters import ad, batching, mlir
 from . import _context, _kinds
 from ._trees import Static, split_kwargs
 
-layer_p = jcore.Primitive("vjpkit_layer")
-layer_p.multiple_results = True
+
+def site_primitive(name: str) -> jcore.Primitive:
+    """A primitive with ``vjpkit_layer``'s parameters and rules (``jaxpr``, ``name``, ``tree``, ...).
+
+    Plain JAX everywhere: its implementation and lowering evaluate ``jaxpr``; under ``vmap`` it
+    stays one equation over the batched operands; under ``jvp`` its primal stays marked and its
+    tangent is the plain JVP of ``jaxpr``. ``vjpkit_layer`` is one; the engine's plain-JAX
+    matching (``_engine._match``) makes another, so that a matched span stays apart from an
+    explicit layer call.
+    """
+    prim = jcore.Primitive(name)
+    prim.multiple_results = True
+
+    def impl(*args, jaxpr, **_):
+        return jcore.jaxpr_as_fun(jaxpr)(*args)
+
+    def abstract_eval(*args, jaxpr, **_):
+        del args
+        return jaxpr.out_avals, jaxpr.effects
+
+    def batch(args, dims, *, jaxpr, **params):
+        in_axes = [d if isinstance(d, int) else None for d in dims]  # not_mapped is None
+        batched = jax.make_jaxpr(jax.vmap(jcore.jaxpr_as_fun(jaxpr), in_axes=in_axes, out_axes=0))(*args)
+        outs = prim.bind(*args, jaxpr=batched, **params)
+        return outs, [0] * len(outs)
+
+    def jvp(primals, tangents, *, jaxpr, **params):
+        outs = prim.bind(*primals, jaxpr=jaxpr, **params)
+        tangents = [ad.instantiate_zeros(t) for t in tangents]
+        _, tangents_out = jax.jvp(jcore.jaxpr_as_fun(jaxpr), list(primals), tangents)
+        return outs, tangents_out
+
+    prim.def_impl(impl)
+    prim.def_effectful_abstract_eval(abstract_eval)
+    batching.primitive_batchers[prim] = batch
+    ad.primitive_jvps[prim] = jvp
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    return prim
 
 
-def _impl(*args, jaxpr, **_):
-    return jcore.jaxpr_as_fun(jaxpr)(*args)
-
-
-def _abstract_eval(*args, jaxpr, **_):
-    del args
-    return jaxpr.out_avals, jaxpr.effects
-
-
-def _batch(args, dims, *, jaxpr, **params):
-    in_axes = [d if isinstance(d, int) else None for d in dims]  # not_mapped is None
-    batched = jax.make_jaxpr(jax.vmap(jcore.jaxpr_as_fun(jaxpr), in_axes=in_axes, out_axes=0))(*args)
-    outs = layer_p.bind(*args, jaxpr=batched, **params)
-    return outs, [0] * len(outs)
-
-
-def _jvp(primals, tangents, *, jaxpr, **params):
-    outs = layer_p.bind(*primals, jaxpr=jaxpr, **params)
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    _, tangents_out = jax.jvp(jcore.jaxpr_as_fun(jaxpr), list(primals), tangents)
-    return outs, tangents_out
-
-
-layer_p.def_impl(_impl)
-layer_p.def_effectful_abstract_eval(_abstract_eval)
-batching.primitive_batchers[layer_p] = _batch
-ad.primitive_jvps[layer_p] = _jvp
-mlir.register_lowering(layer_p, mlir.lower_fun(_impl, multiple_results=True))
+layer_p = site_primitive("vjpkit_layer")
 
 
 def _hoist(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, list]:

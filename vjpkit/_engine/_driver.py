@@ -28,18 +28,24 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from .. import _context, _hooks, _host
+from .. import _context, _format, _hooks, _host
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._hook_base import HookState
 from .._trees import vary, varying_axes
-from . import _handlers, _slots
+from . import _handlers, _match, _slots
 from ._plan import Plan, Site
 from ._run import Runner
 
 
-def configure(hooks: Any = None, capture: Any = None, transform: str = "vk.grad") -> _context.Config:
-    """The configuration of one transformed function; ``hooks`` may be already-normalised pairs."""
+def configure(
+    hooks: Any = None, capture: Any = None, transform: str = "vk.grad", match: bool | None = None
+) -> _context.Config:
+    """The configuration of one transformed function; ``hooks`` may be already-normalised pairs.
+
+    ``match``: find the layers of plain JAX code (``_match``); ``None``: on unless the
+    environment variable ``VJPKIT_MATCH=0`` turns it off.
+    """
     normalised = isinstance(hooks, tuple) and all(
         isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], tuple)
         for p in hooks
@@ -47,7 +53,11 @@ def configure(hooks: Any = None, capture: Any = None, transform: str = "vk.grad"
     pairs = hooks if normalised else _context.normalize_hooks(hooks, transform)
     ready = isinstance(capture, tuple) and all(isinstance(c, CaptureSpec) for c in capture)
     specs = capture if ready else as_specs(capture, transform)
-    return _context.Config(pairs, specs, transform)
+    if match is None:
+        match = _match.enabled()
+    elif not isinstance(match, bool):
+        raise ConfigError(f"{transform}: match= takes True or False, got {type(match).__name__} {match!r}.")
+    return _context.Config(pairs, specs, transform, match)
 
 
 @dataclasses.dataclass
@@ -67,6 +77,9 @@ class Traced:
     leaves: list
     tree: Any
     vma: tuple = ()  # the shard_map axes the arguments vary over (probes vary over them too)
+    other_uses: list = dataclasses.field(
+        default_factory=list
+    )  # _match.OtherUse s: params used outside layers
 
 
 def trace(
@@ -109,12 +122,25 @@ def trace(
             return flat(*leaves)
 
     closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
+    other: list = []
+    if config.match:
+        closed, other = _match.rewrite(closed, _leaf_paths([args[i] for i in nums], nums))
     out_tree = jax.tree.structure(shape)
     n_out = len(jax.tree.leaves(shape[0]))
     plan = Plan(config, closed.jaxpr, [True] * len(leaves), _handlers.chain(_handlers.default(), *handlers))
     if check:
         config.check_matched(plan.names)
-    return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)))
+    return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)), other)
+
+
+def _leaf_paths(diff: list, nums: Sequence[int]) -> list[str]:
+    """``/``-joined paths of the differentiated leaves: inside the argument when only one is
+    differentiated, else under ``arg{i}``; a bare array argument is ``arg{i}``."""
+    paths = []
+    for keys, _ in jax.tree_util.tree_flatten_with_path(diff)[0]:
+        inner, arg = _format.path(keys[1:]), f"arg{nums[keys[0].idx]}"
+        paths.append(inner if inner and len(diff) == 1 else f"{arg}/{inner}" if inner else arg)
+    return paths
 
 
 def _varying_axes(tree: Any) -> tuple:

@@ -51,8 +51,10 @@ MEANING = {
 }
 
 NO_LAYER = (
-    "vk.explain: {fname} calls no vjpkit layer, so there is no layer call to explain. "
-    "Build the model from vjpkit layers (nn.dense, nn.conv2d, ... composed with nn.serial), or "
+    "vk.explain: {fname} calls no vjpkit layer, and plain-JAX matching found no layer either (a "
+    "dot_general, conv or gather of a differentiated argument's leaf with data), so there is no "
+    "layer call to explain. Differentiate the argument that holds the parameters (argnums), or "
+    "build the model from vjpkit layers (nn.dense, nn.conv2d, ... composed with nn.serial), or "
     "make any pure function a named layer with nn.layer(fn, init) (fn(params, *inputs)). If fun "
     "is wrapped in jax.jit, pass the un-jitted function: explain must trace its Python."
 )
@@ -125,11 +127,12 @@ class _Trace(NamedTuple):
 
     plan: Any
     backward: list[str]
+    other_uses: tuple = ()  # params used outside any layer (plain-JAX matching, _engine._match)
 
 
-def _trace(fun: Callable, args: tuple, nums: tuple[int, ...]) -> tuple[_Trace, Any, str]:
+def _trace(fun: Callable, args: tuple, nums: tuple[int, ...], match: Any = None) -> tuple[_Trace, Any, str]:
     """One shape-only trace of fun's forward and backward pass, records captured whole."""
-    config = _engine.configure(None, (capture("*"),), "vk.explain")
+    config = _engine.configure(None, (capture("*"),), "vk.explain", match)
     seen: dict[str, Any] = {}
     backward: list[str] = []
 
@@ -137,6 +140,7 @@ def _trace(fun: Callable, args: tuple, nums: tuple[int, ...]) -> tuple[_Trace, A
         traced = _engine.trace(config, fun, values, argnums=nums, check=False)
         out, _, pull = _engine.linearize(traced, log=backward)
         seen["plan"] = traced.plan
+        seen["other"] = traced.other_uses
         seen["out"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), out)
         scalar = isinstance(out, jax.Array) and out.shape == () and jnp.issubdtype(out.dtype, jnp.inexact)
         seen["kind"] = "loss" if scalar else "vjp"
@@ -144,7 +148,8 @@ def _trace(fun: Callable, args: tuple, nums: tuple[int, ...]) -> tuple[_Trace, A
         return pull(seed)[1]
 
     jax.eval_shape(trace, *args)
-    return _Trace(seen["plan"], list(dict.fromkeys(backward))), seen["out"], seen["kind"]
+    trace_ = _Trace(seen["plan"], list(dict.fromkeys(backward)), seen["other"])
+    return trace_, seen["out"], seen["kind"]
 
 
 def _meanings(row: dict, nums: tuple[int, ...], first_backward: bool, shared: bool) -> dict[str, str]:
@@ -215,6 +220,23 @@ def _rows(traced: _Trace, nums: tuple[int, ...]) -> list[dict]:
 
 
 # --- rendering ----------------------------------------------------------------------------
+
+
+class Rows(list):
+    """``vk.explain``'s rows (a list of dicts), with ``other_uses``: the parameter computations
+    that reach the result other than through a layer call, as ``(leaf paths, primitive, where)``."""
+
+    other_uses: tuple = ()
+
+
+def _other_lines(other: list) -> list[str]:
+    if not other:
+        return []
+    lines = ["params used outside any layer (no record; their gradient flows as plain JAX):"]
+    for use in other:
+        by = "returned by the function" if use.primitive == "output" else f"used by {use.primitive}"
+        lines.append(f"  {', '.join(use.leaves)}: {by}{f' inside {use.where}' if use.where else ''}")
+    return lines
 
 
 def _header(fname: str, out: Any, kind: str, nums: tuple[int, ...], rows: list[dict]) -> list[str]:
@@ -294,7 +316,11 @@ def _render_rich(console: Any, header: list[str], rows: list[dict]) -> None:
 
 
 def explain(
-    fun: Callable, *args: Any, argnums: int | Sequence[int] = 0, file: TextIO | None = None
+    fun: Callable,
+    *args: Any,
+    argnums: int | Sequence[int] = 0,
+    file: TextIO | None = None,
+    match: bool | None = None,
 ) -> list[dict]:
     """Prints and returns the shapes of every layer call's record, tracing shapes only.
 
@@ -309,6 +335,7 @@ def explain(
         argnums: the argument(s) differentiated, ``0`` (the params) as in training.
         file: where to print (default ``sys.stdout``); a table drawn by ``rich`` when it is
             installed and ``file`` is a terminal, plain text otherwise.
+        match: find the layers of plain JAX code, as ``vk.grad(match=...)`` does.
 
     Returns:
         One dict per layer call, in forward order, with ``key``, ``name``, ``call``,
@@ -316,7 +343,9 @@ def explain(
         ``None`` for a call the backward pass never reaches), the record fields ``params``,
         ``input``, ``output``, ``grad_output``, ``grad_input``, ``grad_params`` as
         ``jax.ShapeDtypeStruct`` pytrees (``None`` where the record has ``None``), and
-        ``meaning``: one sentence per field about this call.
+        ``meaning``: one sentence per field about this call. Its ``other_uses`` attribute lists
+        the parameters that plain-JAX matching found used outside any layer (weight decay in the
+        loss): ``(leaves, primitive, where)`` each, also printed under the header.
 
     Raises:
         ConfigError: ``fun`` calls no vjpkit layer, or no arguments were given.
@@ -340,11 +369,12 @@ def explain(
     nums = tuple(i % len(args) for i in nums)
     fname = getattr(fun, "__name__", "fun")
     fname = "fun" if fname == "<lambda>" else fname
-    traced, out, kind = _trace(fun, args, nums)
+    traced, out, kind = _trace(fun, args, nums, match)
     if not traced.plan.order:
         raise ConfigError(NO_LAYER.format(fname=fname))
-    rows = _rows(traced, nums)
-    header = _header(fname, out, kind, nums, rows)
+    rows = Rows(_rows(traced, nums))
+    rows.other_uses = tuple(traced.other_uses)
+    header = _header(fname, out, kind, nums, rows) + _other_lines(rows.other_uses)
     file = sys.stdout if file is None else file
     console = rich_console(file)
     if console is not None:

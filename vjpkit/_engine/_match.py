@@ -1,0 +1,429 @@
+"""Plain-JAX matching: the layers of a traced program found by dataflow, named by parameter path.
+
+Contract: ``rewrite(closed, paths) -> (closed, other_uses)`` returns the program with every
+matched layer use of a parameter replaced by one ``vjpkit_matched`` equation, a second site
+source beside ``vjpkit_layer`` (``SOURCES[match_p]``): the engine plans, names, hooks and
+captures it as any layer call, and the custom_vjp rule is unchanged. ``paths[i]`` is the
+``/``-joined path of the program's ``i``-th input, a leaf of the differentiated arguments.
+
+Each value of the program gets a class: *C* (depends on no input: literals, ``iota``, a loop
+counter), *P* (a parameter computation: depends on parameter leaves and on nothing else but C
+values) or *D* (data: anything else, the closed-over arguments and every layer output). A
+*layer* is an equation with a P operand (the weight) and a non-literal C or D operand (the
+input):
+
+* ``dot_general`` and ``conv_general_dilated``, with a bias ``add`` of a plain parameter that
+  follows it directly (through a ``transpose``, as a vmapped ``W @ x + b`` traces);
+* ``gather`` of a P table at C or D indices (an embedding);
+* ``mul`` / ``add`` of a D value by a *plain* parameter (a leaf up to reshapes, casts,
+  broadcasts and slices): a norm's affine scale, then shift.
+
+The span of a layer is its equation with the whole computation of its P operands from the
+parameter leaves (a cast, a transpose, LoRA's ``W + A @ B``); the span's params are the leaves
+it reads, keyed by their path. Its name is the longest common path of those leaves, or the
+weight's own path when they share none (flat ``{"w1", "b1"}``); params are keyed relative to
+the name, or by their full path when the name is the weight's own. Walked into ``lax.scan``
+(a stacked leaf passed as ``xs`` is a plain parameter per iteration), ``lax.cond`` branches,
+inner ``jax.jit`` and ``jax.checkpoint`` bodies; explicit layer calls (``vjpkit_layer``) are
+left to their source. A parameter computation that reaches D other than through a layer
+(weight decay in the loss, a ``custom_vjp`` function, an output) is an *other use*, listed
+with the leaves it reads, so that records plus other uses account for every gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax._src import core as _core  # join_effects (private)
+from jax.extend import core as jcore
+
+from .._kinds import LayerKind
+from .._primitive import layer_p, site_primitive
+from .._trees import Static
+from . import _site
+
+match_p = site_primitive("vjpkit_matched")
+_site.SOURCES[match_p] = _site.layer_span
+
+D = "data"  # the class of data values; C (no dependence) is None
+
+
+class P(NamedTuple):
+    """The class of a parameter computation: the leaves it reads; ``plain``: the leaf it is, up
+    to reshapes, casts, broadcasts and slices, or ``None``."""
+
+    leaves: frozenset
+    plain: int | None
+
+
+class OtherUse(NamedTuple):
+    """A parameter computation that reaches data other than through a matched layer."""
+
+    leaves: tuple[str, ...]  # the paths of the leaves it reads
+    primitive: str  # the equation that uses it ("output": returned by the function)
+    where: str  # "" at the top level, else the enclosing primitives ("scan/cond")
+
+
+_TRANSPARENT = frozenset(
+    {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze", "copy", "copy_p",
+     "slice", "dynamic_slice", "reduce_precision"}
+)  # fmt: skip
+_LAYERS = frozenset({"dot_general", "conv_general_dilated", "gather"})
+_AFFINE = frozenset({"mul", "add"})
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
+
+
+def _join(classes: Sequence, transparent: bool = False) -> Any:
+    if any(c is D for c in classes):
+        return D
+    ps = [c for c in classes if isinstance(c, P)]
+    if not ps:
+        return None
+    leaves = frozenset().union(*(p.leaves for p in ps))
+    return P(leaves, ps[0].plain if transparent and len(ps) == 1 else None)
+
+
+def _is_lit(a: Any) -> bool:
+    return isinstance(a, jcore.Literal)
+
+
+@dataclasses.dataclass
+class _Matcher:
+    paths: Sequence[str]
+    other: list = dataclasses.field(default_factory=list)
+
+    # -- one program: classify every value (recursing into nested programs), then rewrite
+    def walk(self, jaxpr: Any, in_cls: Sequence, const_cls: Sequence, where: str, rewrite: bool):
+        env: dict[Any, Any] = {}
+        env.update(zip(jaxpr.constvars, const_cls))
+        env.update(zip(jaxpr.invars, in_cls))
+
+        def cls(a):
+            return None if _is_lit(a) else env.get(a)
+
+        eqns = list(jaxpr.eqns)
+        new_eqns: list = list(eqns)
+        layers: list[int] = []
+        for i, eqn in enumerate(eqns):
+            ins = [cls(a) for a in eqn.invars]
+            outs, replaced = self.classify(eqn, ins, where, rewrite)
+            if replaced is not None:
+                new_eqns[i] = replaced
+            if outs == "layer":
+                layers.append(i)
+                outs = [D] * len(eqn.outvars)
+            env.update(zip(eqn.outvars, outs))
+        out_cls = [cls(v) for v in jaxpr.outvars]
+        if not rewrite:
+            return jaxpr, out_cls
+        for c in out_cls:
+            if isinstance(c, P) and not where:  # returned by the function
+                self.other_use(c, "output", where)
+        if layers:
+            new_eqns = self.spans(jaxpr, eqns, new_eqns, layers, cls)
+            jaxpr = jaxpr.replace(eqns=new_eqns)
+        elif any(a is not b for a, b in zip(new_eqns, eqns)):
+            jaxpr = jaxpr.replace(eqns=new_eqns)
+        return jaxpr, out_cls
+
+    def other_use(self, c: P, primitive: str, where: str) -> None:
+        paths = tuple(sorted(self.paths[k] for k in c.leaves))
+        use = OtherUse(paths, primitive, where)
+        if use not in self.other:
+            self.other.append(use)
+
+    def classify(self, eqn: Any, ins: list, where: str, rewrite: bool) -> tuple[Any, Any]:
+        """``(out classes or "layer", replacement equation or None)``."""
+        name = eqn.primitive.name
+        if eqn.primitive is layer_p or eqn.primitive is match_p:  # left to its source
+            return [D] * len(eqn.outvars), None
+        if name == "scan":
+            return self.scan(eqn, ins, where, rewrite)
+        if name == "cond":
+            return self.cond(eqn, ins, where, rewrite)
+        if name in _CALLS and _CALLS[name] in eqn.params:
+            return self.call(eqn, ins, where, rewrite)
+        if _layer_roles(eqn, ins) is not None:
+            return "layer", None
+        out = _join(ins, transparent=name in _TRANSPARENT)
+        if out is D and rewrite:
+            for c in ins:
+                if isinstance(c, P):
+                    self.other_use(c, name, where)
+        return [out] * len(eqn.outvars), None
+
+    def call(self, eqn, ins, where, rewrite):
+        key = _CALLS[eqn.primitive.name]
+        inner = eqn.params[key]
+        closed = isinstance(inner, jcore.ClosedJaxpr)
+        jaxpr = inner.jaxpr if closed else inner
+        new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), where, rewrite)
+        if new is jaxpr:
+            return outs, None
+        value = jcore.ClosedJaxpr(new, inner.consts) if closed else new
+        return outs, eqn.replace(params={**eqn.params, key: value})
+
+    def scan(self, eqn, ins, where, rewrite):
+        params = eqn.params
+        nc, ncar = params["num_consts"], params["num_carry"]
+        body = params["jaxpr"]
+        consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+        const_cls = [None] * len(body.jaxpr.constvars)
+        here = f"{where}/scan" if where else "scan"
+        while True:  # the carry's classes to a fixed point
+            _, outs = self.walk(body.jaxpr, consts + carry + xs, const_cls, here, False)
+            new = [_join([a, b]) if a != b else a for a, b in zip(carry, outs[:ncar])]
+            if new == carry:
+                break
+            carry = new
+        jaxpr, outs = self.walk(body.jaxpr, consts + carry + xs, const_cls, here, rewrite)
+        if jaxpr is body.jaxpr:
+            return outs, None
+        return outs, eqn.replace(params={**params, "jaxpr": jcore.ClosedJaxpr(jaxpr, body.consts)})
+
+    def cond(self, eqn, ins, where, rewrite):
+        here = f"{where}/cond" if where else "cond"
+        branches, outs = [], None
+        for br in eqn.params["branches"]:
+            jaxpr, o = self.walk(br.jaxpr, ins[1:], [None] * len(br.jaxpr.constvars), here, rewrite)
+            branches.append(jcore.ClosedJaxpr(jaxpr, br.consts))
+            outs = o if outs is None else [_join([a, b]) for a, b in zip(outs, o)]
+        if all(b.jaxpr is br.jaxpr for b, br in zip(branches, eqn.params["branches"])):
+            return outs, None
+        return outs, eqn.replace(params={**eqn.params, "branches": tuple(branches)})
+
+    # -- spans: each layer equation (and what joins it) becomes one vjpkit_matched equation
+    def spans(self, jaxpr, eqns, new_eqns, layers, cls) -> list:
+        producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+        users: dict[Any, list[int]] = {}
+        for i, e in enumerate(eqns):
+            for a in e.invars:
+                if not _is_lit(a):
+                    users.setdefault(a, []).append(i)
+        for v in jaxpr.outvars:
+            if not _is_lit(v):
+                users.setdefault(v, []).append(-1)
+        consumed: set[int] = set()
+        for i in layers:
+            if i in consumed:
+                continue
+            eqn = eqns[i]
+            w, x = _layer_roles(eqn, [cls(a) for a in eqn.invars])
+            joined = self.joined(i, eqns, users, cls)
+            consumed.update(joined)
+            last = joined[-1] if joined else i
+            new_eqns[last] = self.span(eqns, producer, cls, i, w, x, joined)
+            for j in (i, *joined):
+                if j != last:
+                    new_eqns[j] = None
+        return [e for e in new_eqns if e is not None]
+
+    def joined(self, i: int, eqns: list, users: dict, cls) -> list[int]:
+        """The equations after layer ``i`` that join its span: a transpose, then a bias add."""
+        out, chain = eqns[i].outvars[0], []
+        kind = eqns[i].primitive.name
+        for step in ("transpose", "add"):
+            user = users.get(out, [])
+            if len(user) != 1 or user[0] < 0:
+                break
+            e = eqns[user[0]]
+            if e.primitive.name != step or (step == "transpose" and kind not in ("dot_general",)):
+                continue
+            if step == "add":
+                other = [a for a in e.invars if a is not out]
+                c = cls(other[0]) if len(other) == 1 and not _is_lit(other[0]) else None
+                if kind == "add" or not (isinstance(c, P) and c.plain is not None):
+                    break
+            chain.append(user[0])
+            out = e.outvars[0]
+        return chain
+
+    def span(self, eqns, producer, cls, i, w, x, joined) -> Any:
+        eqn = eqns[i]
+        body: set[int] = {i, *joined}
+        weights, prev = [eqn.invars[w]], eqn.outvars[0]
+        for j in joined:  # a bias add's other operand is a weight too
+            weights += [a for a in eqns[j].invars if a is not prev] if eqns[j].primitive.name == "add" else []
+            prev = eqns[j].outvars[0]
+        bound: list = []
+        for v in weights:
+            _closure(v, eqns, producer, cls, body, bound)
+        x_var = eqn.invars[x]
+        out_var = eqns[joined[-1] if joined else i].outvars[0]
+        # operands: params (P inputs of this program, keyed by path), the rest hoisted
+        params_vars = [v for v in bound if isinstance(cls(v), P) and v not in producer]
+        hoisted = [v for v in bound if v not in params_vars]
+        keys = [self.key(cls(v)) for v in params_vars]
+        weight_cls = cls(eqn.invars[w])
+        name, rel = _name(keys, self.key(weight_cls) if weight_cls.plain is not None else None)
+        order = sorted(range(len(keys)), key=lambda k: rel[k])
+        params = {rel[k]: 0 for k in order}
+        pvars = [params_vars[k] for k in order]
+        tree = jax.tree.structure((params, (0,), {}))
+        sub_eqns = [eqns[k] for k in sorted(body)]
+        effects = _core.join_effects(*(e.effects for e in sub_eqns))
+        info = _core.DebugInfo("vjpkit matching", name, None, None)
+        inner = jcore.Jaxpr([], [*hoisted, *pvars, x_var], [out_var], sub_eqns, effects, info)
+        closed = jcore.ClosedJaxpr(inner, [])
+        kind = _kind(eqn, w, joined, eqns, {v: rel[k] for k, v in zip(order, pvars)}, body, i)
+        return jcore.new_jaxpr_eqn(
+            [*hoisted, *pvars, x_var],
+            [out_var],
+            match_p,
+            dict(jaxpr=closed, name=name, tree=tree, n_hoisted=len(hoisted), out_tree=jax.tree.structure(0),
+                 kind=Static(kind)),
+            effects,
+            eqn.source_info,
+            eqn.ctx,
+        )  # fmt: skip
+
+    def key(self, c: P) -> str:
+        if c.plain is not None:
+            return self.paths[c.plain]
+        return "+".join(sorted(self.paths[k] for k in c.leaves))
+
+
+def _closure(v, eqns, producer, cls, body: set, bound: list) -> None:
+    """Adds the parameter computation of ``v`` to ``body`` and its program inputs to ``bound``."""
+    stack = [v]
+    seen = set()
+    while stack:
+        a = stack.pop()
+        if _is_lit(a) or a in seen:
+            continue
+        seen.add(a)
+        k = producer.get(a)
+        if k is not None and k in body:
+            continue
+        if k is not None and all(cls(o) is not D for o in eqns[k].outvars):
+            body.add(k)
+            stack.extend(eqns[k].invars)
+        elif a not in bound:
+            bound.append(a)
+
+
+def _layer_roles(eqn: Any, ins: Sequence) -> tuple[int, int] | None:
+    """``(weight operand, input operand)`` when ``eqn`` is a layer (see the module contract)."""
+    name = eqn.primitive.name
+    if name in _LAYERS:
+        a, b = ins[0], ins[1]
+        if isinstance(a, P) == isinstance(b, P):
+            return None
+        w = 0 if isinstance(a, P) else 1
+        if name == "gather" and w != 0:
+            return None
+        return None if _is_lit(eqn.invars[1 - w]) else (w, 1 - w)
+    if name in _AFFINE and len(ins) == 2:
+        for w in (0, 1):
+            c = ins[w]
+            if isinstance(c, P) and c.plain is not None and ins[1 - w] is D:
+                return w, 1 - w
+    return None
+
+
+def _name(keys: Sequence[str], weight: str | None) -> tuple[str, list[str]]:
+    """The call's name and each key relative to it (see the module contract)."""
+    parts = [k.split("/") for k in keys]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    name = "/".join(common)
+    if not name or name in keys:  # no shared container: the weight's own path, full keys
+        return (weight or keys[0]), list(keys)
+    return name, [k[len(name) + 1 :] for k in keys]
+
+
+def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
+    """A ``LayerKind`` the per-example fast paths read: dense or conv when the span is the
+    canonical ``x @ W + b`` / NHWC-HWIO convolution of its leaves as they are, else local."""
+    name = eqn.primitive.name
+    extra = body - {i, *joined}
+    bias = [j for j in joined if eqns[j].primitive.name == "add"]
+    if name not in ("dot_general", "conv_general_dilated") or w != 1 or len(joined) != len(bias):
+        return LayerKind("local")
+    weight = eqn.invars[1]
+    if weight not in roles_of:
+        return LayerKind("local")
+    roles = {roles_of[weight]: "weight"}
+    allowed = set()
+    if bias:
+        b_eqn = eqns[bias[0]]
+        b = next(a for a in b_eqn.invars if a is not eqn.outvars[0])
+        src = _broadcast_source(b, eqns, extra)
+        if src is None or src[0] not in roles_of:
+            return LayerKind("local")
+        roles[roles_of[src[0]]] = "bias"
+        allowed = src[1]
+    if extra - allowed:
+        return LayerKind("local")
+    x_aval, w_aval = eqn.invars[0].aval, weight.aval
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        n = len(lc)
+        if (
+            lb
+            or rb
+            or tuple(lc) != tuple(range(x_aval.ndim - n, x_aval.ndim))
+            or tuple(rc) != tuple(range(n))
+        ):
+            return LayerKind("local")
+        if bias and w_aval.ndim - n != 1:
+            return LayerKind("local")
+        return LayerKind("dense", roles=roles, in_ndim=n)
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    nd = x_aval.ndim
+    channels_last = (0, nd - 1, *range(1, nd - 1))
+    kernel = (nd - 1, nd - 2, *range(nd - 2))
+    if (
+        tuple(dn.lhs_spec) != channels_last
+        or tuple(dn.out_spec) != channels_last
+        or tuple(dn.rhs_spec) != kernel
+        or p["feature_group_count"] != 1
+        or p["batch_group_count"] != 1
+        or any(d != 1 for d in p["lhs_dilation"])
+    ):
+        return LayerKind("local")
+    dil = tuple(p["rhs_dilation"])
+    return LayerKind(
+        "conv",
+        roles=roles,
+        strides=tuple(p["window_strides"]),
+        padding=tuple(tuple(q) for q in p["padding"]),
+        dilation=() if all(d == 1 for d in dil) else dil,
+    )
+
+
+def _broadcast_source(v, eqns, extra: set) -> tuple[Any, set] | None:
+    """``(leaf var, the equations between)`` when ``v`` is a leaf through broadcasts/reshapes."""
+    between = set()
+    index = {o: k for k in extra for o in eqns[k].outvars}
+    while v in index:
+        k = index[v]
+        if eqns[k].primitive.name not in ("broadcast_in_dim", "reshape"):
+            return None
+        between.add(k)
+        v = eqns[k].invars[0]
+    return v, between
+
+
+def enabled() -> bool:
+    """Whether matching is on by default (``VJPKIT_MATCH=0`` turns it off for the process)."""
+    return os.environ.get("VJPKIT_MATCH", "1") != "0"
+
+
+def rewrite(closed: Any, paths: Sequence[str]) -> tuple[Any, list[OtherUse]]:
+    """The program with its matched layers as ``vjpkit_matched`` equations, and the other uses."""
+    m = _Matcher(list(paths))
+    jaxpr = closed.jaxpr
+    in_cls = [P(frozenset({k}), k) for k in range(len(jaxpr.invars))]
+    new, _ = m.walk(jaxpr, in_cls, [D] * len(jaxpr.constvars), "", True)
+    if new is jaxpr:
+        return closed, m.other
+    return jcore.ClosedJaxpr(new, closed.consts), m.other
