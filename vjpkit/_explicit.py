@@ -299,7 +299,14 @@ def _stateless_init(init: Callable, glob: str, transform: str) -> Callable:
 # --- public transforms -------------------------------------------------------------------
 
 
-def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None = None, capture: Any = None):
+def vjp(
+    fun: Callable,
+    *primals: Any,
+    has_aux: bool = False,
+    hooks: dict | None = None,
+    capture: Any = None,
+    match: bool | None = None,
+):
     """``jax.vjp`` with a checked seed and named, hookable layer cotangents.
 
     Args:
@@ -311,6 +318,8 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
             ``Cotangents`` when the pullback runs (also later, or under ``jit``).
         capture: as in ``vjpkit.grad``: ``pullback(seed)`` then returns
             ``(cotangents, captured)``, with ``captured = {call key: Cotangents}`` of this seed.
+        match: find the layers of plain JAX code, as in ``vjpkit.grad``; every primal counts
+            as parameters.
 
     Returns:
         ``(out, pullback)``, or ``(out, pullback, aux)`` with ``has_aux``. ``pullback(seed)``
@@ -329,7 +338,7 @@ def vjp(fun: Callable, *primals: Any, has_aux: bool = False, hooks: dict | None 
                [26., 26., 26.]], dtype=float32)
     """
     _check_callable(fun, "vk.vjp")
-    config = _engine.configure(_prepare_hooks(hooks, "vk.vjp", "vjp"), capture, "vk.vjp")
+    config = _engine.configure(_prepare_hooks(hooks, "vk.vjp", "vjp"), capture, "vk.vjp", match)
     f = _aux_checked(fun, has_aux, "vk.vjp")
     if not config.hooks and not config.capture:
         result = jax.vjp(f, *primals, has_aux=has_aux)

@@ -138,6 +138,8 @@ def _leaf_paths(diff: list, nums: Sequence[int]) -> list[str]:
     differentiated, else under ``arg{i}``; a bare array argument is ``arg{i}``."""
     paths = []
     for keys, _ in jax.tree_util.tree_flatten_with_path(diff)[0]:
+        if len(keys) > 1 and keys[-1] == jax.tree_util.GetAttrKey("value"):  # an NNX Variable's value
+            keys = keys[:-1]
         inner, arg = _format.path(keys[1:]), f"arg{nums[keys[0].idx]}"
         paths.append(inner if inner and len(diff) == 1 else f"{arg}/{inner}" if inner else arg)
     return paths
