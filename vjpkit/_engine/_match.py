@@ -75,6 +75,7 @@ _TRANSPARENT = frozenset(
 _LAYERS = frozenset({"dot_general", "conv_general_dilated", "gather"})
 _AFFINE = frozenset({"mul", "add"})
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
+_CALL_CACHE: dict = {}  # (id(program), classes, leaf paths) -> (program, rewritten, out classes, other uses)
 
 
 def _join(classes: Sequence, transparent: bool = False) -> Any:
@@ -131,8 +132,9 @@ class _Matcher:
         return jaxpr, out_cls
 
     def other_use(self, c: P, primitive: str, where: str) -> None:
-        paths = tuple(sorted(self.paths[k] for k in c.leaves))
-        use = OtherUse(paths, primitive, where)
+        self.other_use_exact(OtherUse(tuple(sorted(self.paths[k] for k in c.leaves)), primitive, where))
+
+    def other_use_exact(self, use: OtherUse) -> None:
         if use not in self.other:
             self.other.append(use)
 
@@ -159,12 +161,30 @@ class _Matcher:
     def call(self, eqn, ins, where, rewrite):
         key = _CALLS[eqn.primitive.name]
         inner = eqn.params[key]
-        closed = isinstance(inner, jcore.ClosedJaxpr)
-        jaxpr = inner.jaxpr if closed else inner
-        new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), where, rewrite)
-        if new is jaxpr:
+        # JAX reuses an inner jit's program across traces: so does the rewrite, which keeps the
+        # eager engine's compiled-call cache (keyed by the program's identity) warm
+        memo = (
+            id(inner),
+            tuple(ins),
+            tuple(self.paths[k] for c in ins if isinstance(c, P) for k in c.leaves),
+        )
+        hit = _CALL_CACHE.get(memo) if rewrite else None
+        if hit is not None and hit[0] is inner:
+            _, value, outs, other = hit
+            for use in other:
+                self.other_use_exact(use)
+        else:
+            closed = isinstance(inner, jcore.ClosedJaxpr)
+            jaxpr = inner.jaxpr if closed else inner
+            before = len(self.other)
+            new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), where, rewrite)
+            value = inner if new is jaxpr else jcore.ClosedJaxpr(new, inner.consts) if closed else new
+            if rewrite:
+                if len(_CALL_CACHE) >= 256:
+                    _CALL_CACHE.pop(next(iter(_CALL_CACHE)))
+                _CALL_CACHE[memo] = (inner, value, outs, self.other[before:])
+        if value is inner:
             return outs, None
-        value = jcore.ClosedJaxpr(new, inner.consts) if closed else new
         return outs, eqn.replace(params={**eqn.params, key: value})
 
     def scan(self, eqn, ins, where, rewrite):
@@ -212,6 +232,9 @@ class _Matcher:
             if i in consumed:
                 continue
             eqn = eqns[i]
+            if isinstance(eqn.outvars[0], jcore.DropVar):  # an unused result: nothing to record
+                new_eqns[i] = eqn
+                continue
             w, x = _layer_roles(eqn, [cls(a) for a in eqn.invars])
             joined = self.joined(i, eqns, users, cls)
             consumed.update(joined)
