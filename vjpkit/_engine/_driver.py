@@ -92,11 +92,14 @@ def trace(
     has_aux: bool = False,
     check: bool = True,
     handlers: Sequence[_handlers.Handler] = (),
+    params: Sequence[int] | None = None,
 ) -> Traced:
     """Traces ``fun(*args, **kwargs)`` once with every layer call marked, and plans it.
 
     With ``check``, a hook or capture glob that matches no layer call is a ``ConfigError``.
     ``handlers`` run after the default ones (hooks, capture, host) on every active call.
+    ``params``: the differentiated arguments whose leaves plain-JAX matching takes as
+    parameters (all of ``argnums`` when ``None``); the others are data to it.
     """
     kwargs = kwargs or {}
     nums = tuple(range(len(args))) if argnums is None else tuple(argnums)
@@ -124,7 +127,10 @@ def trace(
     closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
     other: list = []
     if config.match:
-        closed, other = _match.rewrite(closed, _leaf_paths([args[i] for i in nums], nums))
+        kept = nums if params is None else tuple(params)
+        paths = iter(_leaf_paths([args[i] for i in kept], kept))
+        names = [next(paths) if i in kept else None for i in nums for _ in jax.tree.leaves(args[i])]
+        closed, other = _match.rewrite(closed, names)
     out_tree = jax.tree.structure(shape)
     n_out = len(jax.tree.leaves(shape[0]))
     plan = Plan(config, closed.jaxpr, [True] * len(leaves), _handlers.chain(_handlers.default(), *handlers))

@@ -125,7 +125,7 @@ class _Matcher:
             if isinstance(c, P) and not where:  # returned by the function
                 self.other_use(c, "output", where)
         if layers:
-            new_eqns = self.spans(jaxpr, eqns, new_eqns, layers, cls)
+            new_eqns = _live(self.spans(jaxpr, eqns, new_eqns, layers, cls), jaxpr.outvars)
             jaxpr = jaxpr.replace(eqns=new_eqns)
         elif any(a is not b for a, b in zip(new_eqns, eqns)):
             jaxpr = jaxpr.replace(eqns=new_eqns)
@@ -329,6 +329,18 @@ def _closure(v, eqns, producer, cls, body: set, bound: list) -> None:
             bound.append(a)
 
 
+def _live(eqns: list, outvars: Sequence) -> list:
+    """``eqns`` without the pure ones nothing uses: the parameter computations a span now holds
+    (left in place, they would read as uses of the parameters outside any layer)."""
+    live = {v for v in outvars if not _is_lit(v)}
+    kept = []
+    for eqn in reversed(eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars if not isinstance(v, jcore.DropVar)):
+            kept.append(eqn)
+            live.update(a for a in eqn.invars if not _is_lit(a))
+    return kept[::-1]
+
+
 def _layer_roles(eqn: Any, ins: Sequence) -> tuple[int, int] | None:
     """``(weight operand, input operand)`` when ``eqn`` is a layer (see the module contract)."""
     name = eqn.primitive.name
@@ -441,11 +453,15 @@ def enabled() -> bool:
     return os.environ.get("VJPKIT_MATCH", "1") != "0"
 
 
-def rewrite(closed: Any, paths: Sequence[str]) -> tuple[Any, list[OtherUse]]:
-    """The program with its matched layers as ``vjpkit_matched`` equations, and the other uses."""
+def rewrite(closed: Any, paths: Sequence[str | None]) -> tuple[Any, list[OtherUse]]:
+    """The program with its matched layers as ``vjpkit_matched`` equations, and the other uses.
+
+    ``paths[i]`` names input ``i`` as a parameter leaf; ``None`` makes it data (a batch the
+    caller differentiates for its own reasons, as the per-example tools do).
+    """
     m = _Matcher(list(paths))
     jaxpr = closed.jaxpr
-    in_cls = [P(frozenset({k}), k) for k in range(len(jaxpr.invars))]
+    in_cls = [D if path is None else P(frozenset({k}), k) for k, path in enumerate(paths)]
     new, _ = m.walk(jaxpr, in_cls, [D] * len(jaxpr.constvars), "", True)
     if new is jaxpr:
         return closed, m.other
