@@ -70,7 +70,7 @@ class OtherUse(NamedTuple):
 
 _TRANSPARENT = frozenset(
     {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze", "copy", "copy_p",
-     "slice", "dynamic_slice", "reduce_precision"}
+     "slice", "dynamic_slice", "reduce_precision", "pvary"}
 )  # fmt: skip
 _LAYERS = frozenset({"dot_general", "conv_general_dilated", "gather"})
 _AFFINE = frozenset({"mul", "add"})
