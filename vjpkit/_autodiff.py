@@ -6,6 +6,11 @@ returned function traces ``fun`` once through the engine's driver (``_engine.tra
 ``linearize``), which routes every layer call whose path matches a glob through the custom_vjp
 rule. The hook configuration (``_engine.configure``) belongs to the returned function:
 ``jax.jit`` of it compiles the hooks in.
+
+An eager call with capture, no hooks and no host delivery (nothing user-written runs) is
+compiled once per configuration and function, as ``jax.jit`` would do, instead of being traced
+again on every call; a loss that cannot be jitted (it reads concrete values, takes a non-array
+keyword) runs op by op as before.
 """
 
 from __future__ import annotations
@@ -91,8 +96,28 @@ def _transform(
     with_value = jax_transform is jax.value_and_grad
     checked = _scalar_loss(fun, has_aux, name)
 
-    @functools.wraps(fun)
+    # nothing user-written runs in the backward pass, and nothing is delivered to the host
+    pure = not config.hooks and not any(spec.host is not None for spec in config.capture)
+
     def hooked(*args, hook_state=None, **kwargs):
+        if not pure or hook_state is not None or _traced((args, kwargs)):
+            return run(*args, hook_state=hook_state, **kwargs)
+        key = (config.token, fun, argnums, has_aux, with_value)
+        compiled = _EAGER.get(key)
+        if compiled is None:
+            compiled = jax.jit(run)
+        if compiled is not False:
+            try:
+                out = compiled(*args, **kwargs)
+            except Exception:  # not jittable (or a user error, which the eager run raises again)
+                compiled = False
+            else:
+                _remember(key, compiled)
+                return out
+            _remember(key, compiled)
+        return run(*args, hook_state=hook_state, **kwargs)
+
+    def run(*args, hook_state=None, **kwargs):
         nums = _argnums(argnums, len(args), name)
         _require_differentiable([args[i] for i in nums], nums, name)
         traced = _engine.trace(config, checked, args, kwargs, argnums=nums, has_aux=has_aux)
@@ -108,8 +133,23 @@ def _transform(
         extras = ((captured,) if config.capture else ()) + ((new_state,) if hook_state is not None else ())
         return (result, *extras) if extras else result
 
+    hooked = functools.wraps(fun)(hooked)
     hooked.__vjpkit__ = dict(fun=fun, config=config)
     return hooked
+
+
+_EAGER: dict = {}  # (config token, fun, argnums, has_aux, value) -> jitted transform, or False
+_EAGER_SIZE = 64
+
+
+def _remember(key: tuple, compiled: Any) -> None:
+    if key not in _EAGER and len(_EAGER) >= _EAGER_SIZE:
+        _EAGER.pop(next(iter(_EAGER)))
+    _EAGER[key] = compiled
+
+
+def _traced(tree: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
 
 
 def _require_differentiable(diff: Sequence, nums: Sequence[int], transform: str) -> None:
