@@ -7,15 +7,17 @@ captures it as any layer call, and the custom_vjp rule is unchanged. ``paths[i]`
 ``/``-joined path of the program's ``i``-th input, a leaf of the differentiated arguments.
 
 Each value of the program gets a class: *C* (depends on no input: literals, ``iota``, a loop
-counter), *P* (a parameter computation: depends on parameter leaves and on nothing else but C
-values) or *D* (data: anything else, the closed-over arguments and every layer output). A
-*layer* is an equation with a P operand (the weight) and a non-literal C or D operand (the
-input):
+counter), *K* (a concrete array closed over, or computed from one: data or a constant, which
+an eager trace does not tell apart), *P* (a parameter computation: depends on parameter leaves
+and on nothing else but C and K values) or *D* (data: anything else, the traced arguments and
+every layer output). A *layer* is an equation with a P operand (the weight) and a non-literal
+C, K or D operand (the input):
 
 * ``dot_general`` and ``conv_general_dilated``, with a bias ``add`` of a plain parameter that
-  follows it directly (through a ``transpose``, as a vmapped ``W @ x + b`` traces);
-* ``gather`` of a P table at C or D indices (an embedding);
-* ``mul`` / ``add`` of a D value by a *plain* parameter (a leaf up to reshapes, casts,
+  follows it directly (through a ``transpose``, as a vmapped ``W @ x + b`` traces); an
+  embedding's following ``add`` (``table[ids] + pos``) is a layer of its own;
+* ``gather`` of a P table at C, K or D indices (an embedding);
+* ``mul`` / ``add`` of a D or K value by a *plain* parameter (a leaf up to reshapes, casts,
   broadcasts and slices): a norm's affine scale, then shift.
 
 The span of a layer is its equation with the whole computation of its P operands from the
@@ -50,6 +52,7 @@ match_p = site_primitive("vjpkit_matched")
 _site.SOURCES[match_p] = _site.layer_span
 
 D = "data"  # the class of data values; C (no dependence) is None
+K = "concrete"  # a concrete value closed over: data or a constant (an eager trace computes both)
 
 
 class P(NamedTuple):
@@ -74,6 +77,7 @@ _TRANSPARENT = frozenset(
 )  # fmt: skip
 _LAYERS = frozenset({"dot_general", "conv_general_dilated", "gather"})
 _AFFINE = frozenset({"mul", "add"})
+_BIASED = frozenset({"dot_general", "conv_general_dilated", "mul"})  # a bias add joins these
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
 _CALL_CACHE: dict = {}  # (id(program), classes, leaf paths) -> (program, rewritten, out classes, other uses)
 
@@ -83,7 +87,7 @@ def _join(classes: Sequence, transparent: bool = False) -> Any:
         return D
     ps = [c for c in classes if isinstance(c, P)]
     if not ps:
-        return None
+        return K if any(c is K for c in classes) else None
     leaves = frozenset().union(*(p.leaves for p in ps))
     return P(leaves, ps[0].plain if transparent and len(ps) == 1 else None)
 
@@ -259,7 +263,7 @@ class _Matcher:
             if step == "add":
                 other = [a for a in e.invars if a is not out]
                 c = cls(other[0]) if len(other) == 1 and not _is_lit(other[0]) else None
-                if kind == "add" or not (isinstance(c, P) and c.plain is not None):
+                if kind not in _BIASED or not (isinstance(c, P) and c.plain is not None):
                     break
             chain.append(user[0])
             out = e.outvars[0]
@@ -355,7 +359,7 @@ def _layer_roles(eqn: Any, ins: Sequence) -> tuple[int, int] | None:
     if name in _AFFINE and len(ins) == 2:
         for w in (0, 1):
             c = ins[w]
-            if isinstance(c, P) and c.plain is not None and ins[1 - w] is D:
+            if isinstance(c, P) and c.plain is not None and ins[1 - w] in (D, K):
                 return w, 1 - w
     return None
 
@@ -462,7 +466,10 @@ def rewrite(closed: Any, paths: Sequence[str | None]) -> tuple[Any, list[OtherUs
     m = _Matcher(list(paths))
     jaxpr = closed.jaxpr
     in_cls = [D if path is None else P(frozenset({k}), k) for k, path in enumerate(paths)]
-    new, _ = m.walk(jaxpr, in_cls, [D] * len(jaxpr.constvars), "", True)
+    # closed-over tracers are data (an outer jit's batch); concrete values may be data or
+    # constants: an eager trace computes everything that does not depend on the parameters
+    consts = [D if isinstance(c, jax.core.Tracer) else K for c in closed.consts]
+    new, _ = m.walk(jaxpr, in_cls, consts, "", True)
     if new is jaxpr:
         return closed, m.other
     return jcore.ClosedJaxpr(new, closed.consts), m.other

@@ -371,7 +371,13 @@ def explain(
     fname = "fun" if fname == "<lambda>" else fname
     traced, out, kind = _trace(fun, args, nums, match)
     if not traced.plan.order:
-        raise ConfigError(NO_LAYER.format(fname=fname))
+        message = NO_LAYER.format(fname=fname)
+        if not traced.plan.config.match:
+            message = message.replace(
+                ", and plain-JAX matching found no layer either (a",
+                " (plain-JAX matching is off: match=False or VJPKIT_MATCH=0; it finds a",
+            )
+        raise ConfigError(message)
     rows = Rows(_rows(traced, nums))
     rows.other_uses = tuple(traced.other_uses)
     header = _header(fname, out, kind, nums, rows) + _other_lines(rows.other_uses)
