@@ -93,7 +93,7 @@ def block(x, p, heads: int):  # x + (h @ W + b): each bias joins its matmul's la
 
 def apply(params, tokens, heads: int = 4):
     dim = params["embed"].shape[1]
-    # the scale keeps `pos` a layer of its own: `table[ids] + pos` would join it to the lookup
+    # `pos` is a shift layer of its own (a bias add joins dense, conv and scale calls, not lookups)
     x = params["embed"][tokens] * jnp.sqrt(jnp.float32(dim)) + params["pos"][: tokens.shape[1]]
     x, _ = jax.lax.scan(lambda h, p: (block(h, p, heads), None), x, params["blocks"])
     return layer_norm(x, params["ln_f"]) @ params["embed"].T  # the head: the tied table
