@@ -244,9 +244,8 @@ def _lookup(path):
 
 
 def _lookup_apply(path, q, ids):
-    # the record's input is the gather's index operand, ids[..., None] (see the xfail
-    # test_plain_embedding_record_equals_nn_embedding's): the lookup of those indices
-    return q[path][ids[..., 0]]
+    # the record's input is the ids as indexed (test_plain_embedding_record_equals_nn_embedding)
+    return q[path][ids]
 
 
 def _affine(q, x):
@@ -520,15 +519,9 @@ def test_a_hook_on_every_record_rewrites_its_share_of_the_gradient(case, hook):
 EMBED = nn.embedding(7, 4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vjpkit bug (plain-JAX matching): a matched embedding's record input is the gather's "
-    "index operand ids[..., None] (negative ids wrapped), shape (2, 3, 1), not the ids (2, 3) "
-    "that vjpkit.nn.embedding's record holds",
-)
 def test_plain_embedding_record_equals_nn_embedding(maybe_jit):
     """``table[ids]`` in plain JAX gives the record vjpkit.nn.embedding gives for the same lookup."""
-    ids = jnp.array([[0, 3, 6], [1, 1, 2]], jnp.int32)
+    ids = jnp.array([[0, -1, 6], [1, 1, 2]], jnp.int32)  # a negative id: jnp wraps it
     table = _normal(0, 7, 4)
     plain = lambda t, ids: jnp.sum(jnp.tanh(t[ids]) ** 2)
     layer = lambda t, ids: jnp.sum(jnp.tanh(EMBED.apply({"weight": t}, ids)) ** 2)

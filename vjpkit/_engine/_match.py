@@ -280,6 +280,8 @@ class _Matcher:
         for v in weights:
             _closure(v, eqns, producer, cls, body, bound)
         x_var = eqn.invars[x]
+        if eqn.primitive.name == "gather":  # the ids as indexed, not the index array jnp builds
+            x_var = _ids(x_var, eqns, producer, body)
         out_var = eqns[joined[-1] if joined else i].outvars[0]
         # operands: params (P inputs of this program, keyed by path), the rest hoisted
         params_vars = [v for v in bound if isinstance(cls(v), P) and v not in producer]
@@ -331,6 +333,37 @@ def _closure(v, eqns, producer, cls, body: set, bound: list) -> None:
             stack.extend(eqns[k].invars)
         elif a not in bound:
             bound.append(a)
+
+
+# what jnp's indexing does to the ids before a gather (wrap negative ids, add the index axis)
+_INDEXING = frozenset(
+    {"lt", "ge", "add", "select_n", "broadcast_in_dim", "concatenate", "convert_element_type",
+     "reshape", "clamp", "and"}
+)  # fmt: skip
+
+
+def _ids(v, eqns, producer, body: set):
+    """The one array ``v`` (a gather's indices) is built from by jnp's indexing steps, whose
+    equations then join ``body``; ``v`` itself when there is no such single array."""
+    steps, sources, stack = set(), set(), [v]
+    while stack:
+        a = stack.pop()
+        if _is_lit(a):
+            continue
+        k = producer.get(a)
+        e = eqns[k] if k is not None else None
+        integer = e is not None and all(
+            not jax.numpy.issubdtype(o.aval.dtype, jax.numpy.inexact) for o in e.outvars
+        )
+        if e is not None and e.primitive.name in _INDEXING and integer:
+            steps.add(k)
+            stack.extend(e.invars)
+        else:
+            sources.add(a)
+    if len(sources) != 1 or not steps:
+        return v
+    body.update(steps)
+    return next(iter(sources))
 
 
 def _live(eqns: list, outvars: Sequence) -> list:
