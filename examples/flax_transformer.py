@@ -8,8 +8,10 @@ its Flax path (``block_0/attn/query``, ``block_1/mlp/fc``, ...). The script
 1. trains with ``vk.train.fit``, capturing the gradient norm of every attention and MLP dense
    layer each step (``reduce="norm"``, in the graph), and prints the answer accuracy;
 2. plots attention against MLP gradient flow over training (``plot_gradient_flow``);
-3. prints per-example gradient norms of one batch (``per_example_grad_norms``: Flax ``Dense``,
-   ``Embed`` and ``LayerNorm`` have fast paths, no ``vmap`` over the loss).
+3. prints per-example gradient norms of one batch (``per_example_grad_norms``: one forward and
+   one backward pass of the loss vmapped over the examples; Flax ``Dense``, ``Embed`` and
+   ``LayerNorm`` have fast paths and the positional ``Embed``, looked up with ``arange``, is
+   lifted over the examples, so no layer falls back to ``jax.vmap(jax.grad)``).
 
 Run: ``python examples/flax_transformer.py --steps 400``.
 """

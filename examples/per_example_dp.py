@@ -5,7 +5,8 @@ divides by the batch size: ``(sum_i g_i * min(1, C / ||g_i||) + N(0, sigma^2 C^2
 naive way forms every ``g_i`` with ``jax.vmap(jax.grad(...))``: ``B`` copies of the model's
 gradient. vjpkit's ``dp_clip`` gets ``||g_i||`` from each dense layer's recorded ``input`` and
 ``grad_output`` (``||x_i|| * ||d_i||``) and the clipped sum as ``X^T (c * D)`` from the same
-records, in one ordinary backward pass:
+records, in one forward and one backward pass (of the loss vmapped over the examples, in which
+each layer call stays one call over the batch):
 
     dp_grad = vk.inspect.dp_clip(l2_norm_clip, noise_multiplier, key)(loss_fn)
     loss, grads, norms = dp_grad(params, x, y, step=t)

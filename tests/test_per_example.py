@@ -158,8 +158,10 @@ def test_cnn():
 
 
 @pytest.mark.slow
-def test_conv_with_explicit_padding_needs_conv_config():
-    """Asymmetric explicit padding is not inferable: the check turns a wrong guess into NaN."""
+def test_conv_gives_its_explicit_padding_and_a_custom_conv_needs_conv_config():
+    """Asymmetric explicit padding cannot be inferred from shapes, and is not: ``nn.conv2d`` gives
+    its own; a custom conv-shaped layer gives none, so it falls back (exact, with a warning naming
+    it) unless ``conv=`` supplies its stride and padding."""
     pads = [(0, 2), (2, 0)]
     model = nn.serial(conv=nn.conv2d(3, 3, padding=pads), flat=nn.flatten(), fc=nn.dense(2))
     x = jax.random.normal(jax.random.key(0), (3, 6, 6, 2))
@@ -168,11 +170,31 @@ def test_conv_with_explicit_padding_needs_conv_config():
     def loss(p, x):
         return jnp.mean(jnp.sum(model.apply(p, x) ** 2, axis=1))
 
-    _, _, guessed = run(loss, params, x)
-    assert np.all(np.isnan(guessed.params["conv"]["weight"]))  # never silently wrong
-    assert np.all(np.isfinite(guessed.params["fc"]["weight"]))
-    _, _, norms = run(loss, params, x, conv={"conv": (1, pads)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fast path: no fallback warning, no failed check
+        _, _, norms = run(loss, params, x)
+        jax.effects_barrier()
     assert_norms_match(norms, loss, params, x)
+
+    def conv_fn(p, x):  # the same convolution, as a layer that does not say it is one
+        dn = ("NHWC", "HWIO", "NHWC")
+        return jax.lax.conv_general_dilated(x, p["weight"], (1, 1), pads, dimension_numbers=dn) + p["bias"]
+
+    custom = nn.serial(conv=nn.layer(conv_fn, nn.conv2d(3, 3).init), flat=nn.flatten(), fc=nn.dense(2))
+
+    def custom_loss(p, x):
+        return jnp.mean(jnp.sum(custom.apply(p, x) ** 2, axis=1))
+
+    no_kind = r"'conv' \(no fast path: a conv-shaped weight, but the layer does not give its strides"
+    with pytest.warns(UserWarning, match=no_kind) as rec:
+        _, _, fallen_back = run(custom_loss, params, x)
+    assert "'fc'" not in str(rec[0].message)
+    assert_norms_match(fallen_back, custom_loss, params, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, configured = run(custom_loss, params, x, conv={"conv": (1, pads)})
+        jax.effects_barrier()
+    assert_norms_match(configured, custom_loss, params, x)
 
 
 # ----------------------------------------------------------------------------- weight sharing
@@ -261,7 +283,9 @@ def test_dense_shaped_custom_layer_is_caught_by_the_check():
 
 
 @pytest.mark.slow
-def test_tied_transposed_weight_warns_and_is_caught():
+def test_tied_transposed_weight_falls_back_exactly_naming_the_leaf():
+    """A weight also used transposed in the loss (tied decoder): that leaf alone falls back to
+    vmap(grad), with a warning naming it and the use; the bias keeps its fast path."""
     enc = nn.dense(3, name="enc")
     dec = nn.layer(lambda p, h: h @ p["weight"], name="dec")
     x = jax.random.normal(jax.random.key(0), (4, 5))
@@ -271,9 +295,13 @@ def test_tied_transposed_weight_warns_and_is_caught():
         h = jax.nn.relu(enc.apply(p["enc"], x))
         return jnp.mean(jnp.sum((dec.apply({"weight": p["enc"]["weight"].T}, h) - x) ** 2, axis=1))
 
-    with pytest.warns(UserWarning, match=r"\['dec'\] use parameters computed inside the loss"):
+    with pytest.warns(
+        UserWarning, match=r"'enc' \(no fast path: the leaf is also used by a 'transpose' in the loss itself"
+    ) as rec:
         _, _, norms = run(loss, params, x)
-    assert np.all(np.isnan(norms.params["enc"]["weight"]))
+    message = str(rec[0].message)
+    assert "params ['enc/weight'])" in message and "enc/bias" not in message
+    assert_norms_match(norms, loss, params, x)
 
 
 def test_no_vjpkit_layers_at_all_is_plain_vmap():

@@ -1,17 +1,20 @@
 """Per-example gradient norms on layouts and uses that once gave silently wrong or NaN norms.
 
-Issue 21, items 2 and 4. The example axis of each layer record is found by dataflow (the loss
+Issue 21, items 2, 4 and 8. The example axis of each layer record is found by dataflow (the loss
 vmapped over the examples), so time-major layers, batches permuted inside the loss and
 ``T == B`` are exact; convolutions give their own strides and padding; a leaf used outside its
 layers (weight decay in the loss, a tied ``Embed.attend``) falls back exactly with a warning
 naming it; Equinox layers under nested ``vmap`` keep their fast path; a layer that mixes the
-examples (batch norm in training mode) is a clear error. The reference is always
-``jax.vmap(jax.grad(per_example_loss))``, to 1e-5; where a fast path is expected, warnings are
-errors.
+examples (batch norm in training mode) is a clear error, and a loss that mixes them (centering
+over the batch) is caught by ``check=True`` with a warning. The reference is always
+``jax.vmap(jax.grad(per_example_loss))`` with the per-example loss ``loss_fn`` on a batch of one,
+to 1e-5; where a fast path is expected, warnings are errors. The layout cases run on
+``vjpkit.nn``, Flax linen and Equinox (when installed), jitted and eager.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -20,9 +23,11 @@ import numpy as np
 import pytest
 
 import vjpkit as vk
+from tests.helpers import tree_allclose
 from vjpkit import nn
 
 B = 4  # == T in the time-major cases
+MIXES = "loss_fn does not reduce independent per-example losses"
 
 
 def _key(i):
@@ -30,22 +35,19 @@ def _key(i):
 
 
 def oracle(loss, params, *batch):
-    """``(total, per-leaf norms, per-example grads)`` from vmap(grad) of the per-example loss."""
+    """``(total, per-leaf norms, per-example grads)`` from vmap(grad) of the per-example loss
+    (``loss`` on a batch of one); the norms in float32, summed in float64."""
     one = lambda p, *ex: loss(p, *jax.tree.map(lambda a: a[None], ex))
     g = jax.jit(jax.vmap(jax.grad(one), in_axes=(None, *[0] * len(batch))))(params, *batch)
     sq = jax.tree.map(lambda a: np.sum(np.square(np.asarray(a, np.float64)).reshape(a.shape[0], -1), 1), g)
-    total = np.sqrt(sum(jax.tree.leaves(sq)))
-    return total, jax.tree.map(np.sqrt, sq), g
+    total = np.sqrt(sum(jax.tree.leaves(sq))).astype(np.float32)
+    return total, jax.tree.map(lambda a: np.sqrt(a).astype(np.float32), sq), g
 
 
 def assert_exact(norms, loss, params, *batch):
     total, leaves, _ = oracle(loss, params, *batch)
-    np.testing.assert_allclose(norms.total, total, rtol=1e-5, atol=1e-6)
-    got = jax.tree.leaves(norms.params)
-    want = jax.tree.leaves(leaves)
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    tree_allclose(norms.total, total, rtol=1e-5, atol=1e-6)
+    tree_allclose(norms.params, leaves, rtol=1e-5, atol=1e-6)
 
 
 def fast(fn, *args):
@@ -58,6 +60,16 @@ def fast(fn, *args):
     return out
 
 
+def warned(fn, *args):
+    """``(fn(*args), [warning messages])``, host callbacks included."""
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        out = fn(*args)
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+    return out, [str(w.message) for w in rec if issubclass(w.category, UserWarning)]
+
+
 def norms_of(loss, wrap=jax.jit, **kw):
     return wrap(vk.inspect.per_example_grad_norms(loss, **kw))
 
@@ -65,44 +77,125 @@ def norms_of(loss, wrap=jax.jit, **kw):
 # ------------------------------------------------------------------ example axis by dataflow
 
 mlp = nn.serial(fc1=nn.dense(5), act=nn.tanh(), fc2=nn.dense(2))
+FRAMEWORKS = ["nn", "linen", "equinox"]
 
 
-def time_major_loss(p, x):
-    h = mlp.apply(p, jnp.swapaxes(x, 0, 1))  # (T, B, 2): every layer sees the batch on axis 1
-    return jnp.mean(jnp.sum(h**2, axis=(0, 2)))
+def mlp_for(framework, x):
+    """``(params, apply)``: Dense(5), tanh, Dense(2) over the last axis of ``x`` (any leading axes)
+    in ``vjpkit.nn``, Flax linen or Equinox (skipped when not installed)."""
+    if framework == "nn":
+        return mlp.init(_key(1), x), mlp.apply
+    if framework == "linen":
+        linen = pytest.importorskip("flax.linen")
+
+        class LinenMLP(linen.Module):
+            @linen.compact
+            def __call__(self, h):
+                return linen.Dense(2)(jnp.tanh(linen.Dense(5)(h)))
+
+        model = LinenMLP()
+        return model.init(_key(1), x), model.apply
+    eqx = pytest.importorskip("equinox")
+
+    class EqxMLP(eqx.Module):
+        fc1: eqx.nn.Linear
+        fc2: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.fc1 = eqx.nn.Linear(x.shape[-1], 5, key=k1)
+            self.fc2 = eqx.nn.Linear(5, 2, key=k2)
+
+        def __call__(self, v):  # one vector: vmapped over every leading axis below
+            return self.fc2(jnp.tanh(self.fc1(v)))
+
+    params, static = eqx.partition(vk.hookable(EqxMLP(_key(1))), eqx.is_array)
+
+    def apply(p, h):
+        f = eqx.combine(p, static)
+        for _ in range(h.ndim - 1):
+            f = jax.vmap(f)
+        return f(h)
+
+    return params, apply
 
 
-def test_time_major_with_t_equal_to_b(maybe_jit):
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_time_major_with_t_equal_to_b(framework, maybe_jit):
     x = jax.random.normal(_key(0), (B, B, 3))  # T == B: axis 0 of each layer input is time
-    params = mlp.init(_key(1), x)
-    _, grads, norms = fast(norms_of(time_major_loss, maybe_jit), params, x)
-    assert_exact(norms, time_major_loss, params, x)
-    ref = jax.grad(time_major_loss)(params, x)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    params, apply = mlp_for(framework, x)
+
+    def loss(p, x):  # every layer sees (T, B, d): the batch on axis 1
+        return jnp.mean(jnp.sum(apply(p, jnp.swapaxes(x, 0, 1)) ** 2, axis=(0, 2)))
+
+    _, grads, norms = fast(norms_of(loss, maybe_jit), params, x)
+    assert_exact(norms, loss, params, x)
+    tree_allclose(grads, jax.grad(loss)(params, x), rtol=1e-5, atol=1e-6)
 
 
-def test_batch_permuted_inside_the_loss_and_dp_clip():
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_batch_permuted_inside_the_loss(framework, maybe_jit):
+    x = jax.random.normal(_key(0), (B, 3))
+    y = jax.random.normal(_key(1), (B, 2))
+    params, apply = mlp_for(framework, x)
+
+    def loss(p, x, y):  # the rows reach the layers sorted (as a sort by length would)
+        order = jnp.argsort(x[:, 0])
+        return jnp.mean(jnp.sum((apply(p, x[order]) - y[order]) ** 2, axis=1))
+
+    assert not np.array_equal(np.argsort(np.asarray(x[:, 0])), np.arange(B))  # really permuted
+    _, grads, norms = fast(norms_of(loss, maybe_jit), params, x, y)
+    assert_exact(norms, loss, params, x, y)
+    tree_allclose(grads, jax.grad(loss)(params, x, y), rtol=1e-5, atol=1e-6)
+
+
+def test_dp_clip_with_the_batch_permuted_inside_the_loss():
     x = jax.random.normal(_key(0), (B, 3))
     y = jax.random.normal(_key(1), (B, 2))
     params = mlp.init(_key(2), x)
     perm = np.array([2, 0, 3, 1])
 
-    def loss(p, x, y):  # the rows reach the layers permuted (as a sort by length would)
-        idx = jnp.asarray(perm[: x.shape[0]] if x.shape[0] == B else np.arange(x.shape[0]))
+    def loss(p, x, y):  # a fixed permutation of the batch (the identity on a batch of one or two)
+        idx = jnp.asarray(perm if x.shape[0] == B else np.arange(x.shape[0]))
         return jnp.mean(jnp.sum((mlp.apply(p, x[idx]) - y[idx]) ** 2, axis=1))
 
-    _, _, norms = fast(norms_of(loss), params, x, y)
-    assert_exact(norms, loss, params, x, y)
     total, _, g = oracle(loss, params, x, y)
     clip, key = float(np.median(total)), _key(3)
     dp_grad = jax.jit(vk.inspect.dp_clip(clip, 0.5, key)(loss))
-    _, dp_grads, _ = fast(lambda *a: dp_grad(*a, step=0), params, x, y)
+    _, dp_grads, norms = fast(lambda *a: dp_grad(*a, step=0), params, x, y)
+    assert_exact(norms, loss, params, x, y)
     factor = np.minimum(1.0, clip / total)
     noise = vk.inspect.dp_noise(key, 0, params, 0.5 * clip)
-    expected = jax.tree.map(lambda a, n: (np.tensordot(factor, np.asarray(a), axes=1) + n) / B, g, noise)
-    for a, b in zip(jax.tree.leaves(dp_grads), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    expected = jax.tree.map(
+        lambda a, n: ((np.tensordot(factor, np.asarray(a), axes=1) + n) / B).astype(np.float32), g, noise
+    )
+    tree_allclose(dp_grads, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["nn", "linen", "equinox", "nn-layer"])
+def test_a_loss_that_mixes_the_examples_warns(where, maybe_jit):
+    """Centering over the batch: one example's loss depends on the others, so ``l_i`` (the loss on
+    a batch of one) is not its share of the batch loss. ``check=True`` says so in a warning; the
+    norms are still exactly those of ``grad l_i``, and the grads their mean."""
+    x = jax.random.normal(_key(0), (B, 3))
+    y = jax.random.normal(_key(1), (B, 2))
+    params, apply = mlp_for("nn" if where == "nn-layer" else where, x)
+    center = nn.layer(lambda p, h: h - 0.5 * jnp.mean(h, axis=0), name="center")
+
+    def loss(p, x, y):
+        h = apply(p, x)
+        h = center.apply({}, h) if where == "nn-layer" else h - 0.5 * jnp.mean(h, axis=0)
+        return jnp.mean(jnp.sum((h - y) ** 2, axis=1))
+
+    (_, grads, norms), messages = warned(norms_of(loss, maybe_jit), params, x, y)
+    assert len(messages) == 1 and MIXES in messages[0], messages  # only that: no fallback
+    assert "(reduction='mean')" in messages[0] and "centering or normalising over the batch" in messages[0]
+    assert_exact(norms, loss, params, x, y)
+    _, _, g = oracle(loss, params, x, y)
+    tree_allclose(grads, jax.tree.map(lambda a: jnp.mean(a, axis=0), g), rtol=1e-5, atol=1e-6)
+    batch_grads = jax.grad(loss)(params, x, y)  # of loss_fn on the whole batch: not what it returns
+    assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(batch_grads)))
+    fast(norms_of(loss, maybe_jit, check=False), params, x, y)  # check=False: no warning
 
 
 def test_params_through_inner_jit_and_checkpoint_keep_the_fast_path():
@@ -110,23 +203,6 @@ def test_params_through_inner_jit_and_checkpoint_keep_the_fast_path():
     params = mlp.init(_key(1), x)
     apply = jax.checkpoint(jax.jit(mlp.apply))  # the layers run inside a jit inside a checkpoint
     loss = lambda p, x: jnp.mean(jnp.sum(apply(p, jnp.swapaxes(x, 0, 1)) ** 2, axis=(0, 2)))
-    _, _, norms = fast(norms_of(loss), params, x)
-    assert_exact(norms, loss, params, x)
-
-
-def test_linen_time_major_with_t_equal_to_b():
-    linen = pytest.importorskip("flax.linen")
-
-    class TimeMajor(linen.Module):
-        @linen.compact
-        def __call__(self, x):
-            h = linen.Dense(5)(jnp.swapaxes(x, 0, 1))
-            return linen.Dense(2)(jnp.tanh(h))
-
-    model = TimeMajor()
-    x = jax.random.normal(_key(0), (B, B, 3))
-    params = model.init(_key(1), x)
-    loss = lambda p, x: jnp.mean(jnp.sum(model.apply(p, x) ** 2, axis=(0, 2)))
     _, _, norms = fast(norms_of(loss), params, x)
     assert_exact(norms, loss, params, x)
 
@@ -218,21 +294,59 @@ def test_linen_conv_with_dilation_and_1d():
 # --------------------------------------------------------- leaves used outside their layers
 
 
-def test_weight_decay_in_the_loss_falls_back_naming_the_leaf():
+def _decay_setup():
     x = jax.random.normal(_key(0), (B, 3))
-    y = jax.random.normal(_key(1), (B, 2))
-    params = mlp.init(_key(2), x)
+    y = jax.random.randint(_key(1), (B,), 0, 2)
+    return mlp.init(_key(2), x), x, y
+
+
+def _ce(p, x, y):
+    logits = mlp.apply(p, x)
+    return jax.nn.logsumexp(logits, axis=1) - jnp.take_along_axis(logits, y[:, None], 1)[:, 0]
+
+
+def _penalty(p):
+    return p["fc1"]["weight"] ** 2, p["fc2"]["weight"] ** 2
+
+
+def decayed_loss(p, x, y):  # mean cross-entropy + 1e-3 * sum(w**2) over the weights
+    return jnp.mean(_ce(p, x, y)) + 1e-3 * sum(jnp.sum(w2) for w2 in _penalty(p))
+
+
+def test_weight_decay_in_the_loss_falls_back_naming_the_leaf(maybe_jit):
+    """The penalty is part of every per-example loss in full: ``l_i = ce_i + 1e-3 * sum(w**2)``
+    (``loss_fn`` on a batch of one), so ``g_i = grad ce_i + 2e-3 w`` and ``mean_i l_i`` is the
+    loss. The weights fall back to vmap(grad) with a warning naming them; the biases keep their
+    fast path; nothing else warns (the loss keeps to the contract)."""
+    params, x, y = _decay_setup()
+    (_, grads, norms), messages = warned(norms_of(decayed_loss, maybe_jit), params, x, y)
+    assert len(messages) == 1, messages
+    message = messages[0]
+    for name in ("fc1", "fc2"):
+        assert re.search(rf"'{name}' \(no fast path: the leaf is also used by .* in the loss itself", message)
+        assert f"params ['{name}/weight'])" in message and f"{name}/bias" not in message
+    assert "weight decay in the optimizer" in message
+    assert_exact(norms, decayed_loss, params, x, y)
+    tree_allclose(grads, jax.grad(decayed_loss)(params, x, y), rtol=1e-5, atol=1e-6)
+    # the oracle's definition, spelled out: the cross-entropy's g_i plus the penalty's gradient
+    _, _, g_ce = oracle(lambda p, x, y: jnp.mean(_ce(p, x, y)), params, x, y)
+    for name in ("fc1", "fc2"):
+        g_i = np.asarray(g_ce[name]["weight"]) + 2e-3 * np.asarray(params[name]["weight"])
+        want = np.sqrt(np.sum(np.square(g_i.astype(np.float64)), axis=(1, 2))).astype(np.float32)
+        tree_allclose(norms.params[name]["weight"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_decay_with_sum_reduction_breaks_the_contract_and_warns():
+    """With ``reduction="sum"``, ``sum_i l_i`` counts a once-per-batch penalty ``B`` times: the
+    check says so. The norms are still those of ``grad l_i``, ``l_i`` as above."""
+    params, x, y = _decay_setup()
 
     def loss(p, x, y):
-        return jnp.mean(jnp.sum((mlp.apply(p, x) - y) ** 2, axis=1)) + 1e-2 * jnp.sum(p["fc1"]["weight"] ** 2)
+        return jnp.sum(_ce(p, x, y)) + 1e-3 * sum(jnp.sum(w2) for w2 in _penalty(p))
 
-    with pytest.warns(
-        UserWarning, match=r"'fc1' \(no fast path: the leaf is also used by .* in the loss"
-    ) as rec:
-        _, _, norms = norms_of(loss)(params, x, y)
-    message = str(rec[0].message)
-    assert "['fc1/weight']" in message and "weight decay in the optimizer" in message
-    assert "fc1/bias" not in message and "'fc2'" not in message  # they keep their fast path
+    (_, _, norms), messages = warned(norms_of(loss, reduction="sum"), params, x, y)
+    mixing = [m for m in messages if MIXES in m]
+    assert len(mixing) == 1 and "(reduction='sum')" in mixing[0] and "weight penalty" in mixing[0]
     assert_exact(norms, loss, params, x, y)
 
 
@@ -295,7 +409,7 @@ def test_a_dense_shaped_custom_layer_gets_nan_with_a_message():
         jax.effects_barrier()
     assert np.all(np.isnan(norms.params["squash"]["weight"]))
     _, leaves, _ = oracle(loss, params, x)
-    np.testing.assert_allclose(norms.params["fc"]["weight"], leaves["fc"]["weight"], rtol=1e-5)
+    tree_allclose(norms.params["fc"], leaves["fc"], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------- Equinox under nested vmap

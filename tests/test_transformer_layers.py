@@ -763,7 +763,9 @@ def test_per_example_fast_paths_match_vmap_grad(maybe_jit):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_per_example_norm_layers_shared_and_summed(reduction):
-    """One rms_norm applied twice (weight sharing), and conv1d with explicit padding, sum reduction."""
+    """One rms_norm applied twice (weight sharing), and conv1d with explicit padding that SAME
+    would not pick ((1, 0), not (0, 1)): conv1d gives its own stride and padding, so the norms
+    are exact with no ``conv=`` (which the layer's own kind overrides), for both reductions."""
     conv, rms = nn.conv1d(5, 2, 1, [(1, 0)], name="conv"), nn.rms_norm(name="rms")
     head = nn.dense(3, name="head")
     x = _normal(2, (5, 7, 5))
@@ -783,15 +785,15 @@ def test_per_example_norm_layers_shared_and_summed(reduction):
     params, y, mean_loss = _per_example_setup(model, x, seed=3)
     loss = mean_loss if reduction == "mean" else (lambda p, x, y: mean_loss(p, x, y) * x.shape[0])
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        # (1, 0) is not what SAME would pick, (0, 1): inferred, the check catches it (NaN)
-        pads = {"conv": (1, [(1, 0)])}
-        _, _, norms = jax.jit(per_example_grad_norms(loss, reduction=reduction, conv=pads))(params, x, y)
+        warnings.simplefilter("error")  # no fallback, no failed check
+        _, _, norms = jax.jit(per_example_grad_norms(loss, reduction=reduction))(params, x, y)
+        wrong = {"conv": (2, "SAME")}  # ignored: the layer says what it is
+        configured_fn = per_example_grad_norms(loss, reduction=reduction, conv=wrong)
+        _, _, configured = jax.jit(configured_fn)(params, x, y)
+        jax.effects_barrier()
     assert_norms_match(norms, loss, params, x, y)
+    assert_norms_match(configured, loss, params, x, y)
     assert sorted(norms.layers) == ["conv", "head", "rms"]
-    _, _, inferred = jax.jit(per_example_grad_norms(loss, reduction=reduction))(params, x, y)
-    assert bool(jnp.all(jnp.isnan(inferred.layers["conv"])))
-    assert not bool(jnp.any(jnp.isnan(inferred.layers["rms"])))
 
 
 def test_per_example_dp_clip_with_norms_and_attention():

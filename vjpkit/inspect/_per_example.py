@@ -10,6 +10,19 @@ exactly what ``jax.vmap(jax.grad(l))`` over the examples gives (the reference th
 ``per_example_grad_norms`` returns ``||g_i||`` for each example, in total, per layer and per
 parameter leaf, and ``dp_clip`` clips each ``g_i`` to norm ``C`` and adds noise.
 
+A term of the loss that does not depend on the batch (a weight penalty ``lam * sum(w**2)``) is
+part of every ``l_i`` in full, since ``l_i`` is ``loss_fn`` on a batch of one: with
+``reduction="mean"``, ``L = mean_i ce_i + lam * sum(w**2)`` keeps to the contract and
+``g_i = grad ce_i + 2 lam w``; with ``reduction="sum"`` it does not (``sum_i l_i`` counts the
+penalty ``B`` times), and the check below warns. A loss that mixes the examples (centering or
+normalising over the batch, a contrastive term, random numbers drawn for the whole batch) does
+not keep to it either: ``l_i`` on a batch of one is then not example ``i``'s share of ``L``.
+With ``check=True`` (the default) ``loss_fn`` also runs forward on examples 0 and 1 together,
+and a ``UserWarning`` says so when that differs from the mean (sum) of ``l_0`` and ``l_1``
+(relative tolerance 1e-4, absolute 1e-5 for float32 losses; a host callback, called only
+then). The norms are still those of ``g_i = grad l_i`` as defined above, and the ``loss`` and
+``grads`` returned are of ``mean_i l_i`` (or the sum), not of ``loss_fn`` on the batch.
+
 How the example axis is found: by dataflow, never by shape. The loss is evaluated as
 ``mean_i l_i`` (or the sum) with ``jax.vmap`` over the examples: one forward and one backward
 pass, through vjpkit's records. Under ``vmap`` each layer call stays one call over the whole
@@ -62,9 +75,10 @@ Each parameter leaf gets its per-example gradient one of these ways:
 * a layer that mixes the examples of its input (batch statistics: ``nn.batch_norm`` with
   ``train=True``, Flax/NNX/Equinox ``BatchNorm`` in training mode) breaks the contract: its
   per-example gradients are not defined, and the call raises a ``ConfigError`` naming it.
-* a runtime consistency check (``check=True``): per fast-path leaf, the sum of the per-example
-  gradients must equal the batch gradient (for dense weights through a fixed random projection,
-  a matrix-vector product), to a relative tolerance of 1e-3 of a bound on the rounding error. A
+* a runtime consistency check (``check=True``, besides the one on independent examples above):
+  per fast-path leaf, the sum of the per-example gradients must equal the batch gradient (for
+  dense weights through a fixed random projection, a matrix-vector product), to a relative
+  tolerance of 1e-3 of a bound on the rounding error. A
   leaf with a dense-shaped ``{"weight", "bias"}`` and no kind is taken as dense by its shapes;
   if it is not (a custom layer), the check fails and that leaf gets NaN norms (and NaN DP
   gradients), never a silently wrong value, and a ``UserWarning`` names the layer when the
@@ -97,6 +111,9 @@ from .._kinds import AffineNorm, LayerKind
 __all__ = ["PerExampleNorms", "dp_clip", "dp_noise", "per_example_grad_norms"]
 
 _DN = {4: ("NHWC", "HWIO", "NHWC"), 3: ("NWC", "WIO", "NWC")}  # by kernel ndim
+# loss_fn on examples 0 and 1 together against its values on each alone (float32 losses; 8 eps
+# for a less precise dtype): the two programs round differently
+_MIX_RTOL, _MIX_ATOL = 1e-4, 1e-5
 
 
 class PerExampleNorms(NamedTuple):
@@ -137,13 +154,19 @@ class _Call:
 
 
 def _per_example_loss(
-    loss_fn: Callable, n_batch: int, reduction: str, who: str, lifted: frozenset = frozenset()
+    loss_fn: Callable,
+    n_batch: int,
+    reduction: str,
+    who: str,
+    lifted: frozenset = frozenset(),
+    with_losses: bool = False,
 ) -> Callable:
     """``fun(params, *batch)``: ``mean_i l_i`` (or the sum), the ``l_i`` vmapped over the examples.
 
     The params leaves ``lifted`` (indices) are broadcast over the examples and vmapped like the
     batch: the layer calls that use them are then per-example calls whose ``grad_params`` is
-    ``grad l_i`` of those leaves, and their gradient sums back through the broadcast.
+    ``grad l_i`` of those leaves, and their gradient sums back through the broadcast. With
+    ``with_losses``, ``fun`` returns ``(L, (l_0, ..., l_{B-1}))`` (for ``has_aux``).
     """
 
     def single(params, *example):
@@ -167,7 +190,8 @@ def _per_example_loss(
             params = jax.tree.unflatten(treedef, flat)
             axes = jax.tree.unflatten(treedef, [0 if i in lifted else None for i in range(len(flat))])
         losses = jax.vmap(single, in_axes=(axes, *([0] * n_batch)))(params, *batch)
-        return jnp.mean(losses) if reduction == "mean" else jnp.sum(losses)
+        total = jnp.mean(losses) if reduction == "mean" else jnp.sum(losses)
+        return (total, losses) if with_losses else total
 
     return fun
 
@@ -763,7 +787,7 @@ def analyze(
         if c.name in lifted_names and c.batched:
             lifted -= {ix for ix, _ in c.params.values()}
     lifted_names = {c.name for ix in lifted for c in users[ix]}
-    run = _per_example_loss(loss_fn, len(batch), reduction, who, frozenset(lifted))
+    run = _per_example_loss(loss_fn, len(batch), reduction, who, frozenset(lifted), with_losses=True)
 
     def _could_be_fast(c: _Call) -> bool:
         if c.name in lifted_names or not any(
@@ -780,9 +804,13 @@ def analyze(
     if lifted_names:
         specs.append(_capture([_escape(n) for n in sorted(lifted_names)], fields=["grad_params"]))
     if specs:
-        (loss, grads), captured = _vk_value_and_grad(run, capture=specs)(params, *batch)
+        ((loss, losses), grads), captured = _vk_value_and_grad(run, has_aux=True, capture=specs)(
+            params, *batch
+        )
     else:
-        (loss, grads), captured = jax.value_and_grad(run)(params, *batch), {}
+        ((loss, losses), grads), captured = jax.value_and_grad(run, has_aux=True)(params, *batch), {}
+    if check:
+        _check_independent(loss_fn, params, batch, losses, reduction, who)
     grad_leaves = jax.tree.leaves(grads)
     param_leaves = jax.tree.leaves(params)
 
@@ -993,6 +1021,42 @@ def _report_failed_checks(leaves: list, paths: list[str], owners: list[str], who
     jax.lax.cond(jnp.all(oks), lambda f: None, lambda f: jax.debug.callback(host, f), oks)
 
 
+def _check_independent(
+    loss_fn: Callable, params: Any, batch: tuple, losses: jax.Array, reduction: str, who: str
+) -> None:
+    """Warns, when the computation runs, if ``loss_fn`` on examples 0 and 1 together differs from
+    the reduction of its values on each alone (``losses[:2]``): a loss that mixes the examples."""
+    pair = jax.tree.map(lambda a: a[:2], batch)
+    joint = jnp.asarray(loss_fn(params, *pair))
+    eps = 8.0 * max(float(jnp.finfo(joint.dtype).eps), float(jnp.finfo(losses.dtype).eps))
+    rtol, atol = max(_MIX_RTOL, eps), max(_MIX_ATOL, eps)
+    joint = joint.astype(jnp.float32).reshape(())
+    sep = jnp.sum(losses[:2].astype(jnp.float32))
+    sep = sep / 2 if reduction == "mean" else sep
+    bound = jnp.sum(jnp.abs(losses[:2].astype(jnp.float32))) + jnp.abs(joint)
+    ok = jnp.abs(joint - sep) <= rtol * bound + atol
+    shown = "mean" if reduction == "mean" else "sum"
+
+    def host(values):
+        j, s = (float(v) for v in np.asarray(values))
+        warnings.warn(
+            f"{who}: loss_fn does not reduce independent per-example losses (reduction={reduction!r}): "
+            f"on examples 0 and 1 together it returns {j:.6g}, but the {shown} of its values on each "
+            f"example alone is {s:.6g}. The loss mixes the examples of a batch (centering or "
+            "normalising over the batch, a contrastive term, batch statistics, random numbers drawn "
+            "for the whole batch), or, with reduction='sum', adds a term once per batch (a weight "
+            "penalty: use reduction='mean', or weight decay in the optimizer). The per-example "
+            "gradients are those of loss_fn on each example alone (what jax.vmap(jax.grad) of it "
+            f"gives), and the loss and grads returned are of their {shown}, not of loss_fn on the "
+            "batch.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    values = jnp.stack([joint, sep])
+    jax.lax.cond(ok, lambda v: None, lambda v: jax.debug.callback(host, v), values)
+
+
 def _vmap_grads(loss_fn: Callable, params: Any, batch: tuple, indices: list[int]) -> list[jax.Array]:
     """``grad l_i`` of the leaves ``indices``, by ``jax.vmap(jax.grad)`` over examples."""
     flat, treedef = jax.tree.flatten(params)
@@ -1059,7 +1123,10 @@ def per_example_grad_norms(
         reduction: ``"mean"`` or ``"sum"``: how ``L`` reduces the ``l_i``. The norms are of
             ``grad l_i`` either way (for a mean, ``B`` times example ``i``'s share of ``grad L``).
         check: verify per fast-path leaf that the per-example gradients sum to the batch
-            gradient; a leaf that fails gets NaN norms.
+            gradient (a leaf that fails gets NaN norms, with a warning), and that ``loss_fn``
+            on examples 0 and 1 together equals the reduction of its values on each alone
+            (a loss that mixes the examples, or a per-batch term with ``reduction="sum"``:
+            a warning).
         conv: ``{glob: (stride, padding)}`` for custom layers with a conv-shaped ``weight`` that
             give no kind (``nn.conv2d``, ``nn.conv1d`` and Flax ``Conv`` give their own); such
             a layer without an entry falls back, with a warning. Nothing is inferred from shapes.
