@@ -304,13 +304,19 @@ def test_tied_transposed_weight_falls_back_exactly_naming_the_leaf():
     assert_norms_match(norms, loss, params, x)
 
 
-def test_no_vjpkit_layers_at_all_is_plain_vmap():
+def test_plain_jax_is_matched_and_without_matching_is_plain_vmap(monkeypatch):
     w = jax.random.normal(jax.random.key(0), (3, 2))
     x = jax.random.normal(jax.random.key(1), (4, 3))
 
     def loss(p, x):
         return jnp.mean(jnp.sum(jnp.tanh(x @ p["w"]) ** 2, axis=1))
 
+    # x @ p["w"] is a layer call named "w" (plain-JAX matching): the dense fast path, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, norms = run(loss, {"w": w}, x)
+    assert_norms_match(norms, loss, {"w": w}, x, owners={"w": "w"})
+    monkeypatch.setenv("VJPKIT_MATCH", "0")  # no layer at all: vmap(grad), with a warning
     with pytest.warns(UserWarning, match="'w'"):
         _, _, norms = run(loss, {"w": w}, x)
     assert_norms_match(norms, loss, {"w": w}, x, owners={"w": "w"})

@@ -202,7 +202,7 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
     branch, which use)}``)."""
     config = _engine.configure(None, None, who)
     args = (params, *batch)
-    traced = _engine.trace(config, fun, args, argnums=tuple(range(len(args))), check=False)
+    traced = _engine.trace(config, fun, args, argnums=tuple(range(len(args))), check=False, params=(0,))
     n_leaves = len(jax.tree.leaves(params))  # the program's inputs: params leaves, then the batch
     n_inputs = len(traced.closed.jaxpr.invars)
     batched: set[int] = set()  # ids of the layer equations some example-dependent value reaches
