@@ -10,12 +10,14 @@ are medians of the per-round ratios, so slow drifts of the machine cancel out. I
 skips it), ``eager_bench.py``'s eager-call comparison (eager hooked ``vk.grad`` against eager
 ``jax.grad``, inner-jit traces, memory growth), and ``host_bench.py``'s host delivery (per-layer
 ``vk.on_host`` hooks, ``every=100``, ``fit`` with ``on_records`` every step; ``--no-host`` skips it),
-and ``quickstart_bench.py``'s peak memory of the quickstart with and without its hooks
-(``--no-quickstart`` skips it).
+``quickstart_bench.py``'s peak memory of the quickstart with and without its hooks
+(``--no-quickstart`` skips it), and ``plain_bench.py``'s plain-JAX models through vjpkit's
+matching (steps, per-example norms of a transformer block, trace-time matching; ``--no-plain``
+skips it).
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
 [--compile-repeats 3] [--peers flax,equinox,torch] [--only-first-call] [--no-per-example]
-[--no-host] [--no-quickstart] [--out PATH]``. What the
+[--no-host] [--no-quickstart] [--no-plain] [--out PATH]``. What the
 rows, columns and memory figures are: ``benchmarks/README.md``.
 """
 
@@ -41,6 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import eager_bench
 import peers
+import plain_bench
 import quickstart_bench
 from models import EXTRA_RAW, MODELS, data, loss_of
 
@@ -452,6 +455,9 @@ def main(argv=None):
     parser.add_argument(
         "--no-quickstart", action="store_true", help="skip quickstart_bench.py's memory comparison"
     )
+    parser.add_argument(
+        "--no-plain", action="store_true", help="skip plain_bench.py's plain-JAX (matching) tables"
+    )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     args = parser.parse_args(argv)
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
@@ -466,7 +472,7 @@ def main(argv=None):
     only_first = args.only_first_call
     if only_first:  # PyTorch has no compilation; the other benchmarks time steady-state calls
         selected = [p for p in selected if p != "torch"]
-        args.no_per_example = args.no_host = args.no_quickstart = True
+        args.no_per_example = args.no_host = args.no_quickstart = args.no_plain = True
     threads = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start, cpu_before = time.perf_counter(), cpu_times()
@@ -489,6 +495,7 @@ def main(argv=None):
 
         host = host_bench.run(args.quick, keys)
     quick_mem = None if args.no_quickstart else quickstart_bench.run(args.quick)
+    plain = None if args.no_plain else plain_bench.run(args.quick)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -514,6 +521,7 @@ def main(argv=None):
         "eager": eager,
         "host": host,
         "quickstart": quick_mem,
+        "plain": plain,
     }
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     v, busy = meta["versions"], meta["other_cpu_share"]
@@ -531,6 +539,8 @@ def main(argv=None):
         print(host_bench.markdown(host))
     if quick_mem is not None:
         print(quickstart_bench.markdown(quick_mem))
+    if plain is not None:
+        print(plain_bench.markdown(plain))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
@@ -111,6 +112,66 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     assert eager["ratio_capture"] > 0 and eager["ratio_per_call"] > 0
     assert all(m["peak_mb"] > 0 for m in pex["xla_memory"].values())
     assert "| raw JAX |" in stdout and "Per-example gradient norms" in stdout
+    check_plain(data["plain"], ("steps", "per_example", "trace"))
+    assert "Trace-time matching" in stdout and "vjpkit, matched, capture norms" in stdout
+
+
+PLAIN_ROWS = ["raw JAX", "vjpkit, matched, no hooks", "vjpkit, matched, capture norms"]
+PEX_ROWS = [
+    "value_and_grad",
+    "vjpkit per_example_grad_norms",
+    "vjpkit per_example_grad_norms, check=False",
+    "vmap(grad) + norms",
+]
+
+
+def check_plain(plain, parts):
+    """plain_bench.py's result (``--quick``): structure, and what does not depend on timing."""
+    assert plain["quick"] is True and plain["parts"] == list(parts)
+    if "steps" in parts:
+        assert [s["model"] for s in plain["steps"]] == ["plain_mlp", "plain_cnn", "plain_transformer"]
+        for s in plain["steps"]:
+            assert [r["variant"] for r in s["rows"]] == PLAIN_ROWS
+            assert all(r["median_step_us"] > 0 and r["peak_memory_mb"] > 0 for r in s["rows"])
+            assert s["max_first_loss_diff"] < 1e-5, s["model"]  # the same loss, differentiated 3 ways
+            assert s["rows"][1]["xla_flops_ratio_to_raw"] == pytest.approx(1.0, abs=1e-3)  # no hooks: free
+            assert len(s["targets"]) == 2
+        layers = {s["model"]: s["matched_layers"] for s in plain["steps"]}
+        assert layers["plain_mlp"] == ["fc1", "fc2", "fc3"]
+        assert layers["plain_cnn"] == ["conv1", "conv2", "fc"]
+        assert "embed" in layers["plain_transformer"] and "blocks/attn/wq" in layers["plain_transformer"]
+    if "per_example" in parts:
+        plain_block, flax_block = plain["per_example"]
+        for p in (plain_block, flax_block):
+            if p.get("status", "").startswith("skipped: "):  # Flax not installed
+                continue
+            assert list(p["median_ms"]) == PEX_ROWS and all(t > 0 for t in p["median_ms"].values())
+            assert all(p["xla_memory"][v]["temp_mb"] > 0 for v in PEX_ROWS)
+            assert p["norms_max_rel_diff_vs_vmap_grad"] < 1e-4, p["model"]
+            assert p["fallback_warnings"] == [], p["model"]  # every leaf on a fast path
+    if "trace" in parts:
+        trace = plain["trace"]
+        assert [t["blocks"] for t in trace] == [2, 4, 8]
+        for a, b in itertools.pairwise(trace):  # every block adds its 9 layers (ln, q, k, v, o, ln, 3 mlp)
+            assert b["matched_layers"] - a["matched_layers"] == 9 * (b["blocks"] - a["blocks"])
+            assert b["equations"] > a["equations"]
+        assert all(t["other_uses"] == 0 and t["median_s"]["rewrite"] > 0 for t in trace)
+        assert len(plain["trace_targets"]) == 2
+    assert all(t["met"] in (True, False) for t in plain["targets"])
+
+
+@pytest.mark.slow
+def test_plain_bench_standalone(tmp_path):
+    """plain_bench.py alone (its trace-time part: the cheapest) writes its JSON and table."""
+    out = tmp_path / "plain.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "plain_bench.py"), "--quick", "--parts", "trace"]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    check_plain(data, ("trace",))
+    assert data["steps"] == [] and data["per_example"] == []
+    assert {"date", "machine", "jax"} <= set(data["meta"])
+    assert "Trace-time matching" in proc.stdout and "linear in equations" in proc.stdout
 
 
 @pytest.mark.slow
@@ -123,7 +184,14 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(fake), env.get("PYTHONPATH", "")])
     data, stdout = run_bench(
-        tmp_path, "--peers", "equinox,torch", "--no-per-example", "--no-host", "--no-quickstart", env=env
+        tmp_path,
+        "--peers",
+        "equinox,torch",
+        "--no-per-example",
+        "--no-host",
+        "--no-quickstart",
+        "--no-plain",
+        env=env,
     )
     rows = {row["variant"]: row for row in data["results"][0]["rows"]}
     assert list(rows) == ALL_ROWS
@@ -132,7 +200,7 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
     for name in ["Equinox", *TORCH_ROWS]:
         assert rows[name]["status"].startswith("skipped: ImportError: simulated: no ")
     assert all(rows[name]["status"] == "ok" for name in JAX_ROWS)
-    assert data["per_example"] is None
+    assert data["per_example"] is None and data["plain"] is None
     assert "| Equinox | skipped: ImportError" in stdout
 
 
@@ -151,7 +219,7 @@ def test_benchmark_only_first_call(tmp_path):
         assert rows[name]["status"] == "skipped: --only-first-call"
     assert all(t["target"].startswith("first call: ") for t in result["targets"])
     check_first_call_split(result, stdout)
-    for part in ("per_example", "eager", "host", "quickstart"):
+    for part in ("per_example", "eager", "host", "quickstart", "plain"):
         assert data[part] is None, part
 
 
