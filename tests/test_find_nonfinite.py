@@ -113,7 +113,10 @@ def test_a_loss_that_is_non_finite_after_the_last_layer():
     assert "after the last layer" in report.message
 
 
-def test_no_layer():
+def test_no_layer(monkeypatch):
+    # w * x is a scale layer found by plain-JAX matching (w, a bare array, is "arg0")
+    assert "arg0" in str(find_nonfinite(lambda w, x: jnp.sum(w * x), jnp.ones(3), jnp.ones(3)))
+    monkeypatch.setenv("VJPKIT_MATCH", "0")
     with pytest.raises(vk.ConfigError, match="calls no vjpkit layer"):
         find_nonfinite(lambda w, x: jnp.sum(w * x), jnp.ones(3), jnp.ones(3))
     assert first_nonfinite(lambda w, x: jnp.sum(w * x), jnp.ones(3), jnp.ones(3)) is None

@@ -105,19 +105,21 @@ def _transform(
         key = (config.token, fun, argnums, has_aux, with_value)
         compiled = _EAGER.get(key)
         if compiled is None:
-            compiled = jax.jit(run)
+            order: list = []  # the captured calls in backward order, as the trace makes them
+            compiled = (jax.jit(functools.partial(run, _vk_order=order)), order)
         if compiled is not False:
             try:
-                out = compiled(*args, **kwargs)
+                result, captured = compiled[0](*args, **kwargs)
             except Exception:  # not jittable (or a user error, which the eager run raises again)
                 compiled = False
             else:
                 _remember(key, compiled)
-                return out
+                # jit returns dicts with sorted keys: give them back in backward order, as eagerly
+                return result, {k: captured[k] for k in compiled[1] if k in captured}
             _remember(key, compiled)
         return run(*args, hook_state=hook_state, **kwargs)
 
-    def run(*args, hook_state=None, **kwargs):
+    def run(*args, hook_state=None, _vk_order=None, **kwargs):
         nums = _argnums(argnums, len(args), name)
         _require_differentiable([args[i] for i in nums], nums, name)
         traced = _engine.trace(config, checked, args, kwargs, argnums=nums, has_aux=has_aux)
@@ -130,6 +132,8 @@ def _transform(
             result = ((value, aux), user_grads) if has_aux else (value, user_grads)
         else:
             result = (user_grads, aux) if has_aux else user_grads
+        if _vk_order is not None:
+            _vk_order[:] = list(captured)
         extras = ((captured,) if config.capture else ()) + ((new_state,) if hook_state is not None else ())
         return (result, *extras) if extras else result
 
