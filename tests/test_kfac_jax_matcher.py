@@ -16,6 +16,8 @@ Skipped when kfac-jax is not installed.
 from __future__ import annotations
 
 import logging
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,11 @@ import numpy as np
 import pytest
 
 import vjpkit as vk
+
+# the plain-jnp transformer block the benchmark times: one definition for both
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import plain_bench
+from plain_bench import block
 
 try:  # the kfac extra; a kfac-jax that no longer imports on this jax (AttributeError) skips too
     import kfac_jax
@@ -85,42 +92,8 @@ def cnn(p, x):
     return h.reshape(n, -1) @ p["head"]["w"] + p["head"]["b"]
 
 
-def layer_norm(x, p):
-    mu = x.mean(-1, keepdims=True)
-    var = jnp.square(x - mu).mean(-1, keepdims=True)
-    return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
-
-
 def block_params(key):
-    ks = jax.random.split(key, 6)
-    dk = D // HEADS
-    return {
-        "ln1": {"scale": jnp.ones(D), "bias": jnp.zeros(D)},
-        "attn": {
-            "wq": normal(ks[0], (D, HEADS, dk), D),
-            "wk": normal(ks[1], (D, HEADS, dk), D),
-            "wv": normal(ks[2], (D, HEADS, dk), D),
-            "wo": normal(ks[3], (HEADS, dk, D), D),
-        },
-        "ln2": {"scale": jnp.ones(D), "bias": jnp.zeros(D)},
-        "mlp": {"w1": normal(ks[4], (D, FF), D), "b1": jnp.zeros(FF), "w2": normal(ks[5], (FF, D), FF),
-                "b2": jnp.zeros(D)},
-    }  # fmt: skip
-
-
-def block(p, h):
-    """A pre-norm transformer block: einsum attention (causal), GELU MLP, jnp layer norms."""
-    x = layer_norm(h, p["ln1"])
-    q = jnp.einsum("btd,dhk->bthk", x, p["attn"]["wq"])
-    k = jnp.einsum("btd,dhk->bthk", x, p["attn"]["wk"])
-    v = jnp.einsum("btd,dhk->bthk", x, p["attn"]["wv"])
-    s = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
-    n = h.shape[1]
-    s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -1e9)
-    o = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(s, -1), v)
-    h = h + jnp.einsum("bthk,hkd->btd", o, p["attn"]["wo"])
-    x = layer_norm(h, p["ln2"])
-    return h + jax.nn.gelu(x @ p["mlp"]["w1"] + p["mlp"]["b1"]) @ p["mlp"]["w2"] + p["mlp"]["b2"]
+    return plain_bench.block_params(key, D, HEADS, FF)
 
 
 def lm_params(key, **blocks):
