@@ -27,6 +27,7 @@ from . import _engine
 from ._check import require_inexact
 from ._errors import ConfigError, SeedError
 from ._hook_base import HookState
+from ._trees import is_traced
 
 
 def _describe_value(x: Any) -> str:
@@ -100,7 +101,7 @@ def _transform(
     pure = not config.hooks and not any(spec.host is not None for spec in config.capture)
 
     def hooked(*args, hook_state=None, **kwargs):
-        if not pure or hook_state is not None or _traced((args, kwargs)):
+        if not pure or hook_state is not None or is_traced((args, kwargs)):
             return run(*args, hook_state=hook_state, **kwargs)
         key = (config.token, fun, argnums, has_aux, with_value)
         compiled = _EAGER.get(key)
@@ -150,10 +151,6 @@ def _remember(key: tuple, compiled: Any) -> None:
     if key not in _EAGER and len(_EAGER) >= _EAGER_SIZE:
         _EAGER.pop(next(iter(_EAGER)))
     _EAGER[key] = compiled
-
-
-def _traced(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
 
 
 def _require_differentiable(diff: Sequence, nums: Sequence[int], transform: str) -> None:

@@ -64,6 +64,11 @@ class Static:
         return hash(self.value)
 
 
+def is_traced(tree: Any) -> bool:
+    """Whether any leaf of ``tree`` is a tracer (so the call is not eager)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
 def varying_axes(x: Any) -> frozenset:
     """The shard_map axes a (traced) value varies over; empty outside shard_map."""
     aval = getattr(x, "aval", x)

@@ -32,7 +32,7 @@ from .. import _context, _format, _hooks, _host
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._hook_base import HookState
-from .._trees import vary, varying_axes
+from .._trees import is_traced, vary, varying_axes
 from . import _handlers, _match, _slots
 from ._plan import Plan, Site
 from ._run import Runner
@@ -115,7 +115,7 @@ def trace(
     # Called eagerly (no argument is traced), what does not depend on the differentiated
     # arguments is computed as it is written, as eager jax.grad does: a loss may read concrete
     # values of its other arguments (int(y.max())).
-    eager = not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs)))
+    eager = not is_traced((args, kwargs))
 
     def marked(*leaves):
         with _context.activate(_context.LAYERS):
