@@ -1,0 +1,81 @@
+"""The curvature records: what ``vk.curvature.stats`` returns per layer call.
+
+Contract. For one layer call ``y = x @ W + b`` (dense; a convolution reads ``x`` as its unfolded
+patches and ``W`` as ``(kh*kw*...*c_in, c_out)``), inside a loss registered with a
+``vk.curvature`` loss (a mean over the ``N`` examples of axis 0 of the registered output):
+
+* ``Factors(A, G)``: ``A = (1/N) sum_rows a a^T`` over every row of the layer's input (rows are
+  the examples and, for sequences and convolutions, their positions), with a trailing
+  homogeneous coordinate ``a = [x, 1]`` when the layer has a bias (as kfac-jax does);
+  ``G = sum_seeds sum_rows g g^T`` over the output cotangents ``g`` of the backward passes
+  seeded with the columns of a square root of the loss Hessian (``kflr``, the exact GGN), with
+  sampled labels (``kfac``, the Monte-Carlo Fisher) or with the data's labels (``kfac_empirical``),
+  each seed carrying the ``1/sqrt(N)`` of the mean. ``kron(A, G)`` is then the K-FAC
+  approximation of the loss's GGN (Fisher) block of ``[vec(W); b]`` with ``W`` as ``(in, out)``.
+* the first-order statistics and the diagonal GGN are pytrees keyed like the layer's ``params``
+  (BackPACK's conventions for a mean loss: the per-example gradient is that of ``l_n / N``).
+
+``Layout`` is static: how the layer's weight leaf maps to the ``(in, out)`` matrix above, and
+where its weight and bias sit in the differentiated arguments (``None`` when they are not
+arguments themselves, e.g. slices of a stacked weight under ``lax.scan``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+
+
+class Factors(NamedTuple):
+    """A K-FAC pair: ``A`` over the layer's input (``[x, 1]`` with a bias), ``G`` over its output."""
+
+    A: jax.Array
+    G: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a layer's parameters map to the K-FAC matrix ``[W; b]`` of shape ``(in [+1], out)``.
+
+    Attributes:
+        kind: ``"dense"`` or ``"conv"``.
+        weight: the weight's path inside the layer's ``params`` (``"weight"``, ``"kernel"``, ...).
+        bias: the bias's path inside ``params``, or ``None``.
+        transpose: the weight leaf is stored ``(out, in)`` (Equinox); else ``(in..., out...)``.
+        in_ndim: how many leading axes of the (untransposed) weight leaf are input axes.
+        argnum: the differentiated positional argument the weight and bias leaves belong to.
+        weight_leaf, bias_leaf: the leaves' key paths inside that argument (as
+            ``jax.tree_util.tree_flatten_with_path`` of it gives them), or ``None`` when the leaf
+            is not itself a leaf of an argument (a slice of a stacked weight under ``lax.scan``).
+    """
+
+    kind: str
+    weight: str
+    bias: str | None
+    transpose: bool = False
+    in_ndim: int = 1
+    argnum: int = 0
+    weight_leaf: tuple | None = None
+    bias_leaf: tuple | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCurvature:
+    """The statistics asked for of one layer call; the others are ``None``.
+
+    Under ``lax.scan`` every array has a leading axis per enclosing scan (one entry per
+    iteration), as records do.
+    """
+
+    kflr: Factors | None = None
+    kfac: Factors | None = None
+    kfac_empirical: Factors | None = None
+    diag_ggn: Any = None
+    diag_ggn_mc: Any = None
+    sum_grad_squared: Any = None
+    batch_l2: Any = None
+    variance: Any = None
+    layout: Layout | None = dataclasses.field(default=None, metadata=dict(static=True))
