@@ -6,6 +6,7 @@ Examples:
 """
 
 from . import _foreign  # noqa: F401  (registers the Flax linen interceptor with the scope)
+from . import curvature as curvature
 from . import inspect as inspect
 from . import nn as nn
 from . import train as train
@@ -67,6 +68,7 @@ __all__ = [
     "before",
     "capture",
     "clip_by_norm",
+    "curvature",
     "ema_normalize",
     "explain",
     "grad",

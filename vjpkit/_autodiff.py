@@ -86,11 +86,29 @@ def _argnums(argnums: Any, nargs: int, transform: str) -> tuple[int, ...]:
     return tuple(i % nargs for i in nums)
 
 
+# capture specs that bring their own transform (vk.curvature.stats): spec type -> transform
+# ``(name, fun, argnums, has_aux, hooks, capture, match, with_value) -> function``, registered by
+# the package that defines the spec (it sits above this module).
+PROGRAM_CAPTURES: dict[type, Callable] = {}
+
+
+def _program_capture(capture: Any) -> Callable | None:
+    items = capture if type(capture) in (list, tuple) else [capture]  # a spec may be a NamedTuple
+    return next((PROGRAM_CAPTURES[type(c)] for c in items if type(c) in PROGRAM_CAPTURES), None)
+
+
 def _transform(
     jax_transform: Callable, name: str, fun: Callable, argnums, has_aux: bool, hooks, capture, match
 ) -> Callable:
     if not callable(fun):
         raise ConfigError(f"{name}: fun must be callable, got {type(fun).__name__}.")
+    special = _program_capture(capture)
+    if special is not None:
+        with_value = jax_transform is jax.value_and_grad
+        hooked = special(name, fun, argnums, has_aux, hooks, capture, match, with_value)
+        hooked = functools.wraps(fun)(hooked)
+        hooked.__vjpkit__ = dict(fun=fun, config=None)
+        return hooked
     config = _engine.configure(hooks, capture, name, match)
     if not config.hooks and not config.capture:
         return jax_transform(_scalar_loss(fun, has_aux, name), argnums=argnums, has_aux=has_aux)

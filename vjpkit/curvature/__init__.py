@@ -7,8 +7,28 @@ Examples:
     >>> A, G = captured["fc1"].kflr
 """
 
+from .. import _autodiff
+from ._losses import mse as mse
+from ._losses import sigmoid_binary_cross_entropy as sigmoid_binary_cross_entropy
+from ._losses import softmax_cross_entropy as softmax_cross_entropy
+from ._stats import STATISTICS as STATISTICS
+from ._stats import StatsSpec as StatsSpec
+from ._stats import stats as stats
+from ._transform import transform as _transform
 from ._types import Factors as Factors
 from ._types import LayerCurvature as LayerCurvature
 from ._types import Layout as Layout
 
-__all__ = ["Factors", "LayerCurvature", "Layout"]
+_autodiff.PROGRAM_CAPTURES[StatsSpec] = _transform
+
+__all__ = [
+    "STATISTICS",
+    "Factors",
+    "LayerCurvature",
+    "Layout",
+    "StatsSpec",
+    "mse",
+    "sigmoid_binary_cross_entropy",
+    "softmax_cross_entropy",
+    "stats",
+]

@@ -45,6 +45,7 @@ class Layout:
         bias: the bias's path inside ``params``, or ``None``.
         transpose: the weight leaf is stored ``(out, in)`` (Equinox); else ``(in..., out...)``.
         in_ndim: how many leading axes of the (untransposed) weight leaf are input axes.
+        strides, padding, dilation: a convolution's own (from its kind), else unused.
         argnum: the differentiated positional argument the weight and bias leaves belong to.
         weight_leaf, bias_leaf: the leaves' key paths inside that argument (as
             ``jax.tree_util.tree_flatten_with_path`` of it gives them), or ``None`` when the leaf
@@ -56,6 +57,9 @@ class Layout:
     bias: str | None
     transpose: bool = False
     in_ndim: int = 1
+    strides: tuple = ()
+    padding: Any = "VALID"
+    dilation: tuple = ()
     argnum: int = 0
     weight_leaf: tuple | None = None
     bias_leaf: tuple | None = None

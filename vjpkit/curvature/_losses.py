@@ -1,0 +1,195 @@
+"""Registered losses: plain mean losses that also mark the model output for curvature.
+
+Contract. ``softmax_cross_entropy(logits, labels)``, ``mse(pred, target)`` and
+``sigmoid_binary_cross_entropy(logits, labels)`` return the loss value, a mean over the batch
+(axis 0 of the output, ``N`` examples): cross-entropy over ``logits (N, C)`` with integer labels
+``(N,)`` or label distributions ``(N, C)``; the squared error and the binary cross-entropy
+averaged over every element, as ``torch.nn.MSELoss`` / ``BCEWithLogitsLoss`` do. Outside a
+curvature transform they are nothing more. Inside one (``collecting``) each call also appends a
+``Mark`` (kind, output, target), and the transform makes the output an extra output of the
+traced program, so that backward passes can be seeded there.
+
+For a mark, ``sqrt_hessian`` gives the seeds ``S`` (one per column, stacked on axis 0) with
+``sum_k S_k S_k^T`` = the Hessian of the loss with respect to the output (block-diagonal over
+the examples: each example's block is its ``l_n``'s Hessian over ``N``), and ``sampled`` gives
+``M`` Monte-Carlo seeds whose outer products equal it in expectation, from targets sampled from
+the model's predictive distribution (``jax.random.categorical`` of the logits, a Bernoulli, a
+unit Gaussian for the squared error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .._errors import ConfigError
+from .._format import spec as _spec
+
+_local = threading.local()
+
+
+class Mark(NamedTuple):
+    """One registered loss call: its kind, the model output it reads and the target."""
+
+    kind: str
+    output: jax.Array
+    target: jax.Array
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[list[Mark]]:
+    """Registered losses called inside append their ``Mark`` to the yielded list."""
+    stack = _local.__dict__.setdefault("stack", [])
+    marks: list[Mark] = []
+    stack.append(marks)
+    try:
+        yield marks
+    finally:
+        stack.pop()
+
+
+def _mark(kind: str, output: Any, target: Any) -> None:
+    stack = getattr(_local, "stack", None)
+    if stack:
+        stack[-1].append(Mark(kind, output, target))
+
+
+def _float_output(x: Any, who: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
+        raise ConfigError(
+            f"vk.curvature.{who}: the model output must be a float array with the examples on "
+            f"axis 0, got {_spec(x)}."
+        )
+    return x
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy over the batch, registered for curvature.
+
+    Args:
+        logits: ``(N, C)`` float logits.
+        labels: ``(N,)`` integer classes, or ``(N, C)`` label distributions (one-hot).
+
+    Returns:
+        ``mean_n -log softmax(logits_n)[labels_n]`` (a float scalar).
+
+    Examples:
+        >>> def loss_fn(params, x, y):
+        ...     return vk.curvature.softmax_cross_entropy(model(params, x), y)
+    """
+    logits = _float_output(logits, "softmax_cross_entropy")
+    labels = jnp.asarray(labels)
+    if logits.ndim != 2:
+        raise ConfigError(
+            f"vk.curvature.softmax_cross_entropy: logits must be (N, C), got {_spec(logits)}. "
+            "Reshape the sequence axes into the batch first (logits.reshape(-1, C))."
+        )
+    n, c = logits.shape
+    if jnp.issubdtype(labels.dtype, jnp.integer) and labels.shape == (n,):
+        target = jax.nn.one_hot(labels, c, dtype=logits.dtype)
+    elif labels.shape == (n, c) and jnp.issubdtype(labels.dtype, jnp.floating):
+        target = labels.astype(logits.dtype)
+    else:
+        raise ConfigError(
+            f"vk.curvature.softmax_cross_entropy: labels must be integer classes ({n},) or a "
+            f"float distribution ({n}, {c}) for logits {_spec(logits)}, got {_spec(labels)}."
+        )
+    _mark("softmax_cross_entropy", logits, target)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.sum(target * logp, axis=-1))
+
+
+def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
+    """Mean squared error over every element (``torch.nn.MSELoss()``), registered for curvature.
+
+    Examples:
+        >>> loss = vk.curvature.mse(model(params, x), y)
+    """
+    pred = _float_output(pred, "mse")
+    target = jnp.asarray(target)
+    if target.shape != pred.shape:
+        raise ConfigError(f"vk.curvature.mse: target {_spec(target)} must have the shape of pred {_spec(pred)}.")
+    target = target.astype(pred.dtype)
+    _mark("mse", pred, target)
+    return jnp.mean(jnp.square(pred - target))
+
+
+def sigmoid_binary_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean sigmoid binary cross-entropy over every element, registered for curvature.
+
+    Args:
+        logits: float logits, examples on axis 0.
+        labels: targets in ``[0, 1]`` of the same shape.
+
+    Examples:
+        >>> loss = vk.curvature.sigmoid_binary_cross_entropy(model(params, x), y)
+    """
+    logits = _float_output(logits, "sigmoid_binary_cross_entropy")
+    labels = jnp.asarray(labels)
+    if labels.shape != logits.shape:
+        raise ConfigError(
+            f"vk.curvature.sigmoid_binary_cross_entropy: labels {_spec(labels)} must have the "
+            f"shape of logits {_spec(logits)}."
+        )
+    labels = labels.astype(logits.dtype)
+    _mark("sigmoid_binary_cross_entropy", logits, labels)
+    return jnp.mean(jax.nn.softplus(logits) - labels * logits)
+
+
+def _per_element(out: jax.Array) -> tuple[int, int]:
+    n = out.shape[0]
+    return n, out.size // n
+
+
+def sqrt_hessian(mark: Mark) -> jax.Array:
+    """The exact seeds: ``(K, *out.shape)``, ``sum_k S_k S_k^T`` = the loss's output Hessian."""
+    out = mark.output
+    n, d = _per_element(out)
+    if mark.kind == "softmax_cross_entropy":
+        p = jax.nn.softmax(out, axis=-1)
+        sp = jnp.sqrt(p)
+        c = out.shape[-1]
+        eye = jnp.eye(c, dtype=out.dtype)
+        # column k of diag(sqrt p) - p sqrt(p)^T, for every example at once: (C, N, C)
+        cols = sp.T[:, :, None] * (eye[:, None, :] - p[None, :, :])
+        return cols / jnp.sqrt(jnp.asarray(n, out.dtype))
+    if mark.kind == "mse":
+        scale = jnp.sqrt(jnp.asarray(2.0 / (n * d), out.dtype))
+        eye = jnp.eye(d, dtype=out.dtype).reshape(d, 1, *out.shape[1:])
+        return jnp.broadcast_to(eye * scale, (d, *out.shape))
+    s = jax.nn.sigmoid(out)  # binary cross-entropy: diagonal, s (1 - s) / (N d)
+    root = jnp.sqrt(s * (1 - s) / (n * d))
+    eye = jnp.eye(d, dtype=out.dtype).reshape(d, *out.shape[1:])
+    return eye[:, None] * root[None]
+
+
+def sampled(mark: Mark, key: jax.Array, samples: int) -> jax.Array:
+    """``samples`` Monte-Carlo seeds ``(M, *out.shape)``: ``E[sum_m s_m s_m^T]`` = the Hessian."""
+    out = mark.output
+    n, d = _per_element(out)
+    keys = jax.random.split(key, samples)
+    m = jnp.asarray(samples, out.dtype)
+    if mark.kind == "softmax_cross_entropy":
+        p = jax.nn.softmax(out, axis=-1)
+
+        def one(k):
+            y = jax.random.categorical(k, out, axis=-1)
+            return (p - jax.nn.one_hot(y, out.shape[-1], dtype=out.dtype)) / jnp.sqrt(n * m)
+
+        return jax.vmap(one)(keys)
+    if mark.kind == "mse":
+        z = jax.vmap(lambda k: jax.random.normal(k, out.shape, out.dtype))(keys)
+        return z * jnp.sqrt(2.0 / (n * d * m))
+    s = jax.nn.sigmoid(out)
+
+    def one(k):
+        y = jax.random.bernoulli(k, s).astype(out.dtype)
+        return (s - y) / jnp.sqrt(n * d * m)
+
+    return jax.vmap(one)(keys)

@@ -1,0 +1,246 @@
+"""The statistics spec, and each statistic of one layer call from its records.
+
+Contract. ``stats(layers, which, mc_samples)`` builds a ``StatsSpec``, which ``capture=`` of
+``vk.value_and_grad`` / ``vk.grad`` takes. ``layer_stats(which, layout, x, d, exact, mc, n)``
+computes the asked-for statistics of one (unstacked) layer call from:
+
+* ``x``: the call's input; ``d``: its ``grad_output`` in the gradient's own backward pass (the
+  empirical cotangents ``dL/dy``, each example's carrying the ``1/N`` of the mean);
+* ``exact`` / ``mc``: its ``grad_output`` in the backward passes seeded with the loss Hessian's
+  square-root columns / Monte-Carlo samples (stacked on axis 0), or ``None``;
+* ``n``: the number of examples of the registered loss.
+
+Every layer is read as the matrix form ``y_rows = a_rows @ M`` of ``_types``: a dense layer's
+rows are every position of its input's leading axes, a convolution's rows its output positions
+with ``a`` the unfolded patch. The per-example statistics group the rows by axis 0 of the
+input and output, which must have ``n`` entries (the examples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._errors import ConfigError
+from ._types import Factors, LayerCurvature, Layout
+
+FACTORS = ("kflr", "kfac", "kfac_empirical")
+DIAGONAL = ("diag_ggn", "diag_ggn_mc")
+FIRST_ORDER = ("sum_grad_squared", "batch_l2", "variance")
+STATISTICS = FACTORS + DIAGONAL + FIRST_ORDER
+EXACT = ("kflr", "diag_ggn")  # need the Hessian square-root pulls
+SAMPLED = ("kfac", "diag_ggn_mc")  # need the Monte-Carlo pulls (and a key)
+
+
+class StatsSpec(NamedTuple):
+    """What curvature to compute: see ``stats``."""
+
+    layers: tuple[str, ...]
+    which: tuple[str, ...]
+    mc_samples: int = 1
+
+    @property
+    def exact(self) -> bool:
+        return any(s in EXACT for s in self.which)
+
+    @property
+    def sampled(self) -> bool:
+        return any(s in SAMPLED for s in self.which)
+
+
+def stats(layers: str | Sequence[str] = "*", which: str | Sequence[str] = ("kflr",), mc_samples: int = 1) -> StatsSpec:
+    """Chooses layer calls and the curvature statistics to compute for them, in the graph.
+
+    Args:
+        layers: a glob or globs over layer paths (layers without parameters are skipped).
+        which: any of ``kflr`` (exact GGN K-FAC factors), ``kfac`` (Monte-Carlo Fisher
+            factors), ``kfac_empirical`` (empirical Fisher factors), ``diag_ggn``,
+            ``diag_ggn_mc``, ``sum_grad_squared``, ``batch_l2``, ``variance``.
+        mc_samples: Monte-Carlo samples for ``kfac`` and ``diag_ggn_mc``; the transformed
+            function then takes ``key=``.
+
+    Returns:
+        A spec for ``capture=``: ``captured[name]`` is a ``vk.curvature.LayerCurvature``.
+
+    Examples:
+        >>> spec = vk.curvature.stats("fc*", ["kflr", "diag_ggn"])
+        >>> (loss, grads), captured = vk.value_and_grad(loss_fn, capture=spec)(params, x, y)
+    """
+    globs = (layers,) if isinstance(layers, str) else tuple(layers)
+    if not globs or not all(isinstance(g, str) and g for g in globs):
+        raise ConfigError(f"vk.curvature.stats: layers must be a glob or a list of globs, got {layers!r}.")
+    which = (which,) if isinstance(which, str) else tuple(which)
+    unknown = [w for w in which if w not in STATISTICS]
+    if unknown or not which:
+        raise ConfigError(
+            f"vk.curvature.stats: unknown statistic(s) {unknown or which!r}; choose from {list(STATISTICS)}."
+        )
+    if not isinstance(mc_samples, int) or isinstance(mc_samples, bool) or mc_samples < 1:
+        raise ConfigError(f"vk.curvature.stats: mc_samples must be an int >= 1, got {mc_samples!r}.")
+    return StatsSpec(globs, tuple(dict.fromkeys(which)), mc_samples)
+
+
+# --------------------------------------------------------------------------------------------
+# One layer call as rows of a matrix product: a (rows, in), g (..., rows, out)
+
+
+def _patches(x: jax.Array, layout: Layout, kernel: tuple[int, ...]) -> jax.Array:
+    """The unfolded patches of a channels-last conv input, ``(N, *out_spatial, prod(kernel))``,
+    features ordered as the kernel's leading axes ``(*window, c_in)``."""
+    window, cin = kernel[:-1], kernel[-1]
+    nd = len(window)
+    spatial = "HW"[:nd] if nd <= 2 else "DHW"[-nd:]
+    dn = (f"N{spatial}C", f"{spatial}IO", f"N{spatial}C")
+    p = lax.conv_general_dilated_patches(
+        x,
+        filter_shape=window,
+        window_strides=layout.strides,
+        padding=layout.padding,
+        rhs_dilation=layout.dilation or None,
+        dimension_numbers=dn,
+    )  # features ordered (c_in, *window)
+    lead = p.shape[:-1]
+    p = p.reshape(*lead, cin, *window)
+    p = jnp.moveaxis(p, len(lead), -1)  # (..., *window, c_in)
+    return p.reshape(*lead, -1)
+
+
+def _rows_in(layout: Layout, x: jax.Array, w_shape: tuple[int, ...]) -> jax.Array:
+    """``a`` with the examples on axis 0 kept: ``(N, T, in)``."""
+    if layout.kind == "conv":
+        kernel = w_shape[:-1]
+        x = _patches(x, layout, kernel)
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+    n_in = _n_in(layout, w_shape)
+    return x.reshape(x.shape[0], -1, n_in)
+
+
+def _n_in(layout: Layout, w_shape: tuple[int, ...]) -> int:
+    if layout.transpose:
+        return math.prod(w_shape[len(w_shape) - layout.in_ndim :])
+    return math.prod(w_shape[: layout.in_ndim])
+
+
+def _matrix_shape(layout: Layout, w_shape: tuple[int, ...]) -> tuple[int, int]:
+    n_in = _n_in(layout, w_shape)
+    return n_in, math.prod(w_shape) // n_in
+
+
+def _to_leaf(layout: Layout, m: jax.Array, w_shape: tuple[int, ...]) -> jax.Array:
+    """An ``(in, out)`` matrix laid out as the weight leaf."""
+    if layout.transpose:
+        return m.T.reshape(w_shape)
+    return m.reshape(w_shape)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _factors(a: jax.Array, gs: jax.Array, n: int, bias: bool) -> Factors:
+    """``A = (1/N) sum_rows [a,1][a,1]^T``, ``G = sum_seeds sum_rows g g^T``."""
+    a = a.reshape(-1, a.shape[-1])
+    if bias:
+        a = jnp.concatenate([a, jnp.ones((a.shape[0], 1), a.dtype)], axis=1)
+    big_a = a.T @ a / n
+    g = gs.reshape(-1, gs.shape[-1])
+    return Factors(big_a, g.T @ g)
+
+
+def _per_example_sq(a: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Over seeds ``k`` and examples ``n``: ``sum (J_kn)^2`` of the weight matrix ``(in, out)``
+    and of the bias ``(out,)``, where ``J_kn = sum_t a_nt g_knt^T``. ``a (N, T, in)``,
+    ``gs (K, N, T, out)``."""
+    if a.shape[1] == 1:
+        w = jnp.einsum("ni,knj->ij", jnp.square(a[:, 0]), jnp.square(gs[:, :, 0]))
+        return w, jnp.sum(jnp.square(gs[:, :, 0]), axis=(0, 1))
+
+    def body(acc, g):  # one seed at a time: N * in * out floats live
+        j = jnp.einsum("nti,ntj->nij", a, g)
+        return (acc[0] + jnp.sum(jnp.square(j), axis=0), acc[1] + jnp.sum(jnp.square(g.sum(1)), axis=0)), None
+
+    zero = (jnp.zeros((a.shape[-1], gs.shape[-1]), a.dtype), jnp.zeros((gs.shape[-1],), a.dtype))
+    return lax.scan(body, zero, gs)[0]
+
+
+def _batch_sq_norms(a: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per example: ``||sum_t a_t d_t^T||^2`` and ``||sum_t d_t||^2``, each ``(N,)``."""
+    if a.shape[1] == 1:
+        w = jnp.sum(jnp.square(a[:, 0]), -1) * jnp.sum(jnp.square(d[:, 0]), -1)
+    elif a.shape[1] ** 2 <= a.shape[-1] * d.shape[-1]:  # the ghost norm: N * T^2 floats
+        w = jnp.einsum("nts,nts->n", a @ jnp.swapaxes(a, 1, 2), d @ jnp.swapaxes(d, 1, 2))
+    else:
+        w = jnp.sum(jnp.square(jnp.einsum("nti,ntj->nij", a, d)), axis=(1, 2))
+    return w, jnp.sum(jnp.square(d.sum(1)), -1)
+
+
+def layer_stats(
+    which: Sequence[str],
+    layout: Layout,
+    params: dict,
+    grad_params: dict,
+    x: jax.Array,
+    d: jax.Array,
+    exact: jax.Array | None,
+    mc: jax.Array | None,
+    n: int,
+    where: str,
+) -> LayerCurvature:
+    """The statistics ``which`` of one layer call (see the module contract)."""
+    w_shape = tuple(params[layout.weight].shape)
+    n_in, n_out = _matrix_shape(layout, w_shape)
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    a = _rows_in(layout, x.astype(dtype), w_shape)
+    per_example = [s for s in which if s not in FACTORS]
+    if per_example and (a.shape[0] != n or d.shape[0] != n):
+        raise ConfigError(
+            f"vk.curvature.stats: {where}: the per-example statistics {per_example} read axis 0 of the "
+            f"layer's input and output as the {n} examples of the registered loss, but they have "
+            f"{a.shape[0]} and {d.shape[0]} entries there. Ask only for K-FAC factors "
+            f"({list(FACTORS)}) of this layer, or keep the examples on axis 0."
+        )
+
+    def rows(g):  # (..., N or rows, ..., out) -> (..., N, T, out)
+        lead = g.ndim - d.ndim
+        return g.astype(dtype).reshape(*g.shape[:lead], a.shape[0], -1, n_out)
+
+    bias = layout.bias is not None
+    out: dict[str, Any] = {}
+    if "kflr" in which:
+        out["kflr"] = _factors(a, rows(exact), n, bias)
+    if "kfac" in which:
+        out["kfac"] = _factors(a, rows(mc), n, bias)
+    if "kfac_empirical" in which:
+        out["kfac_empirical"] = _factors(a, rows(d) * jnp.sqrt(jnp.asarray(n, dtype)), n, bias)
+
+    def as_params(w_mat, b_vec):
+        tree = {layout.weight: _to_leaf(layout, w_mat, w_shape)}
+        if bias:
+            tree[layout.bias] = b_vec.reshape(params[layout.bias].shape)
+        return tree
+
+    for name, seeds in (("diag_ggn", exact), ("diag_ggn_mc", mc)):
+        if name in which:
+            out[name] = as_params(*_per_example_sq(a, rows(seeds)))
+    if any(s in which for s in FIRST_ORDER):
+        dd = rows(d)
+        if "sum_grad_squared" in which or "variance" in which:
+            sgs = as_params(*_per_example_sq(a, dd[None]))
+            if "sum_grad_squared" in which:
+                out["sum_grad_squared"] = sgs
+            if "variance" in which:
+                out["variance"] = jax.tree.map(
+                    lambda s, g: n * s - jnp.square(g.astype(dtype)), sgs, _used(grad_params, sgs)
+                )
+        if "batch_l2" in which:
+            w, b = _batch_sq_norms(a, dd)
+            out["batch_l2"] = {layout.weight: w, **({layout.bias: b} if bias else {})}
+    return LayerCurvature(**out, layout=layout)
+
+
+def _used(grad_params: dict, like: dict) -> dict:
+    return {k: grad_params[k] for k in like}

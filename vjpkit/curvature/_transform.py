@@ -1,0 +1,213 @@
+"""``vk.value_and_grad`` / ``vk.grad`` with ``capture=vk.curvature.stats(...)``.
+
+Contract. The loss is traced once through the engine with its registered loss's output (the
+model output, ``_losses``) as an extra output of the program, and linearized once. The
+gradient's backward pass is seeded ``(1, 0)`` and captures every chosen layer's ``params``,
+``input``, ``grad_output`` and ``grad_params``; the curvature passes pull the same
+linearization again, vmapped over their seeds ``(0, S_k)``: the loss Hessian's square-root
+columns for ``kflr`` / ``diag_ggn``, Monte-Carlo samples for ``kfac`` / ``diag_ggn_mc`` (the
+transformed function then takes ``key=``). Each chosen layer's statistics come from those
+records (``_stats.layer_stats``), once per iteration under ``lax.scan`` (vmapped over the
+stacked records). The result is the transform's usual ``(result, captured)``, with
+``captured[name]`` a ``LayerCurvature`` for each chosen layer with parameters, and the records
+of any other capture spec beside them.
+
+Hooks are not allowed beside curvature statistics: the curvature passes would run them again.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _autodiff, _engine, _format
+from .._capture import CaptureSpec, as_specs
+from .._errors import ConfigError
+from .._kinds import AffineNorm, LayerKind
+from . import _losses
+from ._stats import StatsSpec, layer_stats
+from ._types import Layout
+
+
+def _split(capture: Any, name: str) -> tuple[tuple[StatsSpec, ...], tuple[CaptureSpec, ...]]:
+    items = list(capture) if type(capture) in (list, tuple) else [capture]  # specs are NamedTuples
+    ours = tuple(c for c in items if isinstance(c, StatsSpec))
+    rest = [c for c in items if not isinstance(c, StatsSpec)]
+    return ours, (as_specs(rest if len(rest) > 1 else rest[0], name) if rest else ())
+
+
+def transform(
+    name: str, fun: Callable, argnums: Any, has_aux: bool, hooks: Any, capture: Any, match: Any, with_value: bool
+) -> Callable:
+    """The curvature transform (see the module contract)."""
+    specs, others = _split(capture, name)
+    if hooks:
+        raise ConfigError(
+            f"{name}: hooks= cannot be combined with vk.curvature.stats: the curvature backward "
+            "passes would run the hooks again. Compute the statistics in a separate transform."
+        )
+    for spec in others:
+        if spec.host is not None:
+            raise ConfigError(f"{name}: capture host= cannot be combined with vk.curvature.stats.")
+    globs = tuple(dict.fromkeys(g for s in specs for g in s.layers))
+    raw = CaptureSpec(globs, ("params", "input", "grad_output", "grad_params"), None)
+    config = _engine.configure(None, (raw, *others), name, match)
+    checked = _autodiff._scalar_loss(fun, has_aux, name)
+
+    def run(*args, key=None, **kwargs):
+        nums = _autodiff._argnums(argnums, len(args), name)
+        _autodiff._require_differentiable([args[i] for i in nums], nums, name)
+        kinds: list[str] = []
+
+        def marked(*a, **kw):
+            with _losses.collecting() as marks:
+                out = checked(*a, **kw)
+            loss, aux = out if has_aux else (out, None)
+            if not marks:
+                raise ConfigError(
+                    f"{name}: vk.curvature.stats needs the loss registered: compute it with "
+                    "vk.curvature.softmax_cross_entropy(logits, labels), vk.curvature.mse(pred, target) "
+                    "or vk.curvature.sigmoid_binary_cross_entropy(logits, labels) inside the loss "
+                    "function (they return the mean loss and mark the model output)."
+                )
+            if len(marks) > 1:
+                raise ConfigError(
+                    f"{name}: the loss registered {len(marks)} vk.curvature losses "
+                    f"({[m.kind for m in marks]}); vk.curvature.stats takes exactly one."
+                )
+            kinds[:] = [marks[0].kind]
+            return (loss, marks[0].output), (aux, marks[0].target)
+
+        traced = _engine.trace(config, marked, args, kwargs, argnums=nums, has_aux=True)
+        (value, output), (aux, target), pull = _engine.linearize(traced)
+        mark = _losses.Mark(kinds[0], output, target)
+        zero = jnp.zeros_like(value)
+        grads, captured, _ = pull([jnp.ones_like(value), jnp.zeros_like(output)])
+
+        def pulled(seeds):
+            return jax.vmap(lambda s: pull([zero, s])[1])(seeds)
+
+        exact = pulled(_losses.sqrt_hessian(mark)) if any(s.exact for s in specs) else None
+        mc = None
+        sampled = [s for s in specs if s.sampled]
+        if sampled:
+            if key is None:
+                raise ConfigError(
+                    f"{name}: the Monte-Carlo statistics {[w for s in sampled for w in s.which]} "
+                    "sample labels: pass an RNG key as key= to the transformed function "
+                    "(f(params, x, y, key=jax.random.key(0)))."
+                )
+            mc = pulled(_losses.sampled(mark, key, max(s.mc_samples for s in sampled)))
+        n = output.shape[0]
+        paths = _leaf_paths([args[i] for i in nums], nums)
+        result_captured = {}
+        for k, rec in captured.items():
+            site = traced.plan.by_key[k]
+            spec = next((s for s in specs if any(fnmatch.fnmatchcase(site.name, g) for g in s.layers)), None)
+            if spec is None or site.spec is not raw:
+                result_captured[k] = rec
+                continue
+            if not jax.tree.leaves(rec.params):
+                continue
+            layout = _layout(site, paths, spec, name)
+            result_captured[k] = _stacked_stats(
+                spec.which, layout, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k
+            )
+        user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
+        if with_value:
+            result = ((value, aux), user_grads) if has_aux else (value, user_grads)
+        else:
+            result = (user_grads, aux) if has_aux else user_grads
+        return result, result_captured
+
+    return run
+
+
+def _stacked_stats(which, layout, rec, exact, mc, n, n_scans, key) -> Any:
+    """``layer_stats`` of one call, vmapped over its record's ``n_scans`` stacked scan axes."""
+
+    def one(params, grad_params, x, d, ex, sm):
+        flat = _flat(params)
+        g_flat = _flat(grad_params) if grad_params is not None else {}
+        stats = layer_stats(which, layout, flat, g_flat, x, d, ex, sm, n, f"layer {key!r}")
+        return _rekey(stats, params)
+
+    ex = exact.grad_output if exact is not None else None
+    sm = mc.grad_output if mc is not None else None
+    fn = one
+    for _ in range(n_scans):
+        fn = jax.vmap(fn, in_axes=(0, 0, 0, 0, None if ex is None else 1, None if sm is None else 1))
+    return fn(rec.params, rec.grad_params, rec.input, rec.grad_output, ex, sm)
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    return {_format.path(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _rekey(stats: Any, params: Any) -> Any:
+    """The param-shaped statistics (flat ``{path: leaf}``) keyed like ``params`` again."""
+
+    def back(flat):
+        if flat is None:
+            return None
+        return jax.tree_util.tree_map_with_path(lambda kp, _: flat.get(_format.path(kp)), params)
+
+    fields = ("diag_ggn", "diag_ggn_mc", "sum_grad_squared", "batch_l2", "variance")
+    return stats.__class__(
+        **{f: getattr(stats, f) for f in ("kflr", "kfac", "kfac_empirical")},
+        **{f: back(getattr(stats, f)) for f in fields},
+        layout=stats.layout,
+    )
+
+
+def _leaf_paths(diff: list, nums: tuple[int, ...]) -> list[tuple[int, tuple]]:
+    """``(argnum, key path inside it)`` of every differentiated leaf, in the engine's order."""
+    out = []
+    for keys, _ in jax.tree_util.tree_flatten_with_path(diff)[0]:
+        out.append((nums[keys[0].idx], tuple(keys[1:])))
+    return out
+
+
+def _layout(site: Any, paths: list, spec: StatsSpec, transform: str) -> Layout:
+    """How the call's params map to the K-FAC matrix, from its kind (see ``_types.Layout``)."""
+    params = _flat(site.record.params)
+    kind = site.kind
+    where = f"layer {site.key!r}"
+    if isinstance(kind, LayerKind) and kind.kind in ("dense", "conv"):
+        roles = {role: p for p, role in kind.roles.items() if p in params}
+    elif kind is None and "weight" in params and set(params) <= {"weight", "bias"} and params["weight"].ndim == 2:
+        kind, roles = LayerKind("dense"), {"weight": "weight", "bias": "bias"}
+        roles = {r: p for r, p in roles.items() if p in params}
+    else:
+        what = (
+            "an affine norm" if isinstance(kind, AffineNorm)
+            else f"kind {kind.kind!r}" if isinstance(kind, LayerKind) else "a layer of no known kind"
+        )  # fmt: skip
+        raise ConfigError(
+            f"{transform}: vk.curvature.stats{list(spec.which)}: {where} is {what} with params "
+            f"{_format.describe(site.record.params)}; curvature statistics have rules for dense and "
+            "convolution layers. Leave it out of the layer globs."
+        )
+    weight, bias = roles.get("weight"), roles.get("bias")
+    if weight is None:
+        raise ConfigError(f"{transform}: vk.curvature.stats: {where} has no weight among {sorted(params)}.")
+    _, (origins, _, _) = site.layout.split(site.origins)
+    origin = _flat(jax.tree.map(lambda o: o, origins, is_leaf=lambda o: o is None))
+    w_at, b_at = origin.get(weight), origin.get(bias) if bias else None
+    w_leaf = paths[w_at] if isinstance(w_at, int) else None
+    b_leaf = paths[b_at] if isinstance(b_at, int) else None
+    if kind.kind == "conv":
+        n = params[weight].ndim - 2
+        return Layout(
+            "conv", weight, bias, in_ndim=n + 1, strides=tuple(kind.strides), padding=kind.padding,
+            dilation=tuple(kind.dilation), argnum=w_leaf[0] if w_leaf else 0,
+            weight_leaf=w_leaf and w_leaf[1], bias_leaf=b_leaf and b_leaf[1],
+        )  # fmt: skip
+    return Layout(
+        "dense", weight, bias, transpose=kind.transpose, in_ndim=kind.in_ndim,
+        argnum=w_leaf[0] if w_leaf else 0, weight_leaf=w_leaf and w_leaf[1], bias_leaf=b_leaf and b_leaf[1],
+    )  # fmt: skip
