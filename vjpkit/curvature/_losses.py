@@ -114,7 +114,9 @@ def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
     pred = _float_output(pred, "mse")
     target = jnp.asarray(target)
     if target.shape != pred.shape:
-        raise ConfigError(f"vk.curvature.mse: target {_spec(target)} must have the shape of pred {_spec(pred)}.")
+        raise ConfigError(
+            f"vk.curvature.mse: target {_spec(target)} must have the shape of pred {_spec(pred)}."
+        )
     target = target.astype(pred.dtype)
     _mark("mse", pred, target)
     return jnp.mean(jnp.square(pred - target))

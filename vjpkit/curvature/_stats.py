@@ -53,7 +53,9 @@ class StatsSpec(NamedTuple):
         return any(s in SAMPLED for s in self.which)
 
 
-def stats(layers: str | Sequence[str] = "*", which: str | Sequence[str] = ("kflr",), mc_samples: int = 1) -> StatsSpec:
+def stats(
+    layers: str | Sequence[str] = "*", which: str | Sequence[str] = ("kflr",), mc_samples: int = 1
+) -> StatsSpec:
     """Chooses layer calls and the curvature statistics to compute for them, in the graph.
 
     Args:

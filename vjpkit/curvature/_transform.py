@@ -41,7 +41,14 @@ def _split(capture: Any, name: str) -> tuple[tuple[StatsSpec, ...], tuple[Captur
 
 
 def transform(
-    name: str, fun: Callable, argnums: Any, has_aux: bool, hooks: Any, capture: Any, match: Any, with_value: bool
+    name: str,
+    fun: Callable,
+    argnums: Any,
+    has_aux: bool,
+    hooks: Any,
+    capture: Any,
+    match: Any,
+    with_value: bool,
 ) -> Callable:
     """The curvature transform (see the module contract)."""
     specs, others = _split(capture, name)
@@ -179,7 +186,12 @@ def _layout(site: Any, paths: list, spec: StatsSpec, transform: str) -> Layout:
     where = f"layer {site.key!r}"
     if isinstance(kind, LayerKind) and kind.kind in ("dense", "conv"):
         roles = {role: p for p, role in kind.roles.items() if p in params}
-    elif kind is None and "weight" in params and set(params) <= {"weight", "bias"} and params["weight"].ndim == 2:
+    elif (
+        kind is None
+        and "weight" in params
+        and set(params) <= {"weight", "bias"}
+        and params["weight"].ndim == 2
+    ):
         kind, roles = LayerKind("dense"), {"weight": "weight", "bias": "bias"}
         roles = {r: p for r, p in roles.items() if p in params}
     else:
