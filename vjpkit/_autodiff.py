@@ -262,5 +262,7 @@ def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> HookState:
             f"(with hooks=...), got {getattr(fn, '__name__', type(fn).__name__)}."
         )
     config, fun = meta["config"], meta["fun"]
+    if config is None:  # a transform with its own program (vk.curvature.stats) keeps no hook state
+        return HookState()
     traced = _engine.trace(config, fun, args, kwargs, check=False)
     return _engine.init_hook_state(traced)

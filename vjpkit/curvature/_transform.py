@@ -18,6 +18,7 @@ Hooks are not allowed beside curvature statistics: the curvature passes would ru
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +66,14 @@ def transform(
     config = _engine.configure(None, (raw, *others), name, match)
     checked = _autodiff._scalar_loss(fun, has_aux, name)
 
-    def run(*args, key=None, **kwargs):
+    loss_takes_key = _takes_key(fun)
+
+    def run(*args, **kwargs):
+        key = kwargs.get("key")
+        if key is not None and not loss_takes_key:
+            kwargs = {k: v for k, v in kwargs.items() if k != "key"}
+        elif key is not None:  # the loss draws from key too: the labels are sampled from another
+            key = jax.random.fold_in(key, 0x6B666163)
         nums = _autodiff._argnums(argnums, len(args), name)
         _autodiff._require_differentiable([args[i] for i in nums], nums, name)
         kinds: list[str] = []
@@ -132,6 +140,15 @@ def transform(
         return result, result_captured
 
     return run
+
+
+def _takes_key(fun: Callable) -> bool:
+    """Whether ``fun`` accepts a ``key`` keyword (a loss with dropout): it then gets it too."""
+    try:
+        params = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _stacked_stats(which, layout, rec, exact, mc, n, n_scans, key) -> Any:

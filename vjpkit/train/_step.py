@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import _autodiff, _host
+from ..curvature import StatsSpec
 from .._errors import ConfigError
 from ._state import TrainState
 
@@ -49,6 +50,11 @@ def _wants_key(loss_fn: Callable) -> bool:
     except (TypeError, ValueError):
         return False
     return "key" in parameters
+
+
+def _curvature_specs(capture: Any) -> list:
+    items = capture if type(capture) in (list, tuple) else [capture]  # specs are NamedTuples
+    return [c for c in items if isinstance(c, StatsSpec)]
 
 
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:
@@ -103,7 +109,10 @@ def build_step(
     optimizer = check_optimizer(optimizer)
     if nan_policy not in NAN_POLICIES:
         raise ConfigError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}.")
-    wants_key = _wants_key(loss_fn)
+    # vk.curvature's Monte-Carlo statistics sample labels with key= (the loss gets it too if it
+    # takes one), and a K-FAC optimizer reads the statistics as update(..., curvature=captured)
+    curvature = _curvature_specs(capture)
+    wants_key = _wants_key(loss_fn) or any(spec.sampled for spec in curvature)
     # Transformations that read the loss (optax.reduce_on_plateau, optax.lbfgs and its line
     # search) take it as update(..., value=, grad=, value_fn=); optax passes these extra
     # arguments on to the members of a chain that use them, and the others ignore them.
@@ -114,6 +123,7 @@ def build_step(
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         rng, key = jax.random.split(state.rng)
         kwargs = {"key": key} if wants_key else {}
+        loss_kwargs = kwargs if _wants_key(loss_fn) else {}
         # under "stop", the steps after a non-finite one change nothing and send nothing to the host
         live = _host.gate(state.nonfinite_step < 0) if nan_policy == "stop" else contextlib.nullcontext()
         with live:
@@ -128,9 +138,10 @@ def build_step(
         else:
             (loss, grads), captured = (out[0] if state.hook_state else out), None
         if extra_args:
-            value_fn = lambda p: loss_fn(p, batch, **kwargs)  # the plain loss: hooks change gradients only
+            value_fn = lambda p: loss_fn(p, batch, **loss_kwargs)  # the plain loss: hooks change gradients only
+            more = {"curvature": captured} if curvature else {}
             updates, opt_state = optimizer.update(
-                grads, state.opt_state, state.params, value=loss, grad=grads, value_fn=value_fn
+                grads, state.opt_state, state.params, value=loss, grad=grads, value_fn=value_fn, **more
             )
         else:
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
