@@ -21,8 +21,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 API_DIR = ROOT / "docs" / "api"
-PAGE = {"vjpkit": "vjpkit", "vjpkit.nn": "nn", "vjpkit.train": "train", "vjpkit.inspect": "inspect"}
-MODULES = ("vjpkit", "vjpkit.nn", "vjpkit.train", "vjpkit.inspect")
+PAGE = {
+    "vjpkit": "vjpkit",
+    "vjpkit.nn": "nn",
+    "vjpkit.train": "train",
+    "vjpkit.inspect": "inspect",
+    "vjpkit.curvature": "curvature",
+}
+MODULES = ("vjpkit", "vjpkit.nn", "vjpkit.train", "vjpkit.inspect", "vjpkit.curvature")
 
 
 def _public_modules() -> list:
