@@ -13,11 +13,12 @@ skips it), ``eager_bench.py``'s eager-call comparison (eager hooked ``vk.grad`` 
 ``quickstart_bench.py``'s peak memory of the quickstart with and without its hooks
 (``--no-quickstart`` skips it), and ``plain_bench.py``'s plain-JAX models through vjpkit's
 matching (steps, per-example norms of a transformer block, trace-time matching; ``--no-plain``
-skips it).
+skips it), and ``curvature_bench.py``'s curvature statistics and K-FAC updates against a
+gradient step (``--no-curvature`` skips it).
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
 [--compile-repeats 3] [--peers flax,equinox,torch] [--only-first-call] [--no-per-example]
-[--no-host] [--no-quickstart] [--no-plain] [--out PATH]``. What the
+[--no-host] [--no-quickstart] [--no-plain] [--no-curvature] [--out PATH]``. What the
 rows, columns and memory figures are: ``benchmarks/README.md``.
 """
 
@@ -41,6 +42,7 @@ import optax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import curvature_bench
 import eager_bench
 import peers
 import plain_bench
@@ -458,6 +460,9 @@ def main(argv=None):
     parser.add_argument(
         "--no-plain", action="store_true", help="skip plain_bench.py's plain-JAX (matching) tables"
     )
+    parser.add_argument(
+        "--no-curvature", action="store_true", help="skip curvature_bench.py's curvature tables"
+    )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     args = parser.parse_args(argv)
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
@@ -473,6 +478,7 @@ def main(argv=None):
     if only_first:  # PyTorch has no compilation; the other benchmarks time steady-state calls
         selected = [p for p in selected if p != "torch"]
         args.no_per_example = args.no_host = args.no_quickstart = args.no_plain = True
+        args.no_curvature = True
     threads = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start, cpu_before = time.perf_counter(), cpu_times()
@@ -496,6 +502,7 @@ def main(argv=None):
         host = host_bench.run(args.quick, keys)
     quick_mem = None if args.no_quickstart else quickstart_bench.run(args.quick)
     plain = None if args.no_plain else plain_bench.run(args.quick)
+    curvature = None if args.no_curvature else curvature_bench.run(args.quick)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -522,6 +529,7 @@ def main(argv=None):
         "host": host,
         "quickstart": quick_mem,
         "plain": plain,
+        "curvature": curvature,
     }
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     v, busy = meta["versions"], meta["other_cpu_share"]
@@ -541,6 +549,8 @@ def main(argv=None):
         print(quickstart_bench.markdown(quick_mem))
     if plain is not None:
         print(plain_bench.markdown(plain))
+    if curvature is not None:
+        print(curvature_bench.markdown(curvature))
     return out
 
 

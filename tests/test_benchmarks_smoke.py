@@ -114,6 +114,13 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     assert "| raw JAX |" in stdout and "Per-example gradient norms" in stdout
     check_plain(data["plain"], ("steps", "per_example", "trace"))
     assert "Trace-time matching" in stdout and "vjpkit, matched, capture norms" in stdout
+    curvature = data["curvature"]  # curvature_bench.py: every statistic of every matched layer
+    assert [m["model"] for m in curvature["models"]] == ["mlp_mnist", "cnn"]
+    assert [m["layers"] for m in curvature["models"]] == [["fc1", "fc2", "fc3"], ["conv1", "conv2", "fc"]]
+    assert all(
+        r["ratio"] > 0 and r["met"] in (True, False, None) for m in curvature["models"] for r in m["rows"]
+    )
+    assert "Curvature statistics" in stdout
 
 
 PLAIN_ROWS = ["raw JAX", "vjpkit, matched, no hooks", "vjpkit, matched, capture norms"]

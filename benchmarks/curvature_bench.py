@@ -1,0 +1,200 @@
+"""Curvature statistics (``vk.curvature``, issue 23) against a gradient step, side by side.
+
+For the MLP 784-512-512-10 (batch 128) and the CNN 1-16-32 (batch 64) of ``models.py``, written
+in plain ``jnp`` (their ``raw`` functions; vjpkit's matching finds the layers), each row is one
+jitted call, timed in interleaved, shuffled rounds over blocks of calls; each ratio is the
+median over rounds of the per-round ratio to the gradient row:
+
+* ``value_and_grad``: ``jax.value_and_grad`` of the mean cross-entropy (the reference);
+* ``kfac``: ``vk.value_and_grad`` with ``vk.curvature.stats("*", ["kfac"])`` (one Monte-Carlo
+  sample: the loss, the gradient and every layer's K-FAC factors); targets <= 1.8x (MLP) and
+  <= 3x (CNN);
+* ``kfac_empirical``: the empirical Fisher factors from the gradient's own backward pass;
+  targets <= 1.6x (MLP), <= 2.2x (CNN);
+* ``kflr``: the exact-GGN factors (C = 10 extra backward passes, no target);
+* ``diag_ggn``: the exact diagonal GGN, target <= 1.3 x C; ``diag_ggn_mc``: one sample, <= 2x;
+* with the K-FAC optimizer (``vk.curvature.kfac``) available: a training step that applies
+  ``kfac`` with cached inverses (``update_every`` larger than the run) against an
+  ``optax.sgd`` step on the same gradients, target <= 1.3x; with an eigendecomposition every
+  20 steps (``solver="eigh"``, amortised over the block), target <= 3x. Both optimizer rows
+  are timed on the update alone, the statistics given (the same arrays every call).
+
+Usage: ``python benchmarks/curvature_bench.py [--quick] [--rounds 11] [--block 20]
+[--out benchmarks/curvature_results.json]``. ``run.py`` runs it too (``--no-curvature`` skips
+it). Run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import models  # noqa: E402
+
+import vjpkit as vk  # noqa: E402
+
+TARGETS = {
+    ("mlp_mnist", "kfac"): 1.8,
+    ("cnn", "kfac"): 3.0,
+    ("mlp_mnist", "kfac_empirical"): 1.6,
+    ("cnn", "kfac_empirical"): 2.2,
+    ("mlp_mnist", "diag_ggn_mc"): 2.0,
+    ("cnn", "diag_ggn_mc"): 2.0,
+    ("mlp_mnist", "kfac update, cached inverses"): 1.3,
+    ("cnn", "kfac update, cached inverses"): 1.3,
+    ("mlp_mnist", "kfac update, eigh every 20"): 3.0,
+    ("cnn", "kfac update, eigh every 20"): 3.0,
+}
+STATS = ("kfac", "kfac_empirical", "kflr", "diag_ggn", "diag_ggn_mc")
+CLASSES = 10
+
+
+def _setup(key):
+    title, model, raw, shape, classes = models.MODELS[key]()
+    params = model.init(jax.random.key(0), jnp.zeros(shape))
+    x, y = models.data(shape, classes)
+
+    def loss(p, x, y):
+        return vk.curvature.softmax_cross_entropy(raw(p, x), y)
+
+    return title, loss, params, x, y
+
+
+def _block(fn, args, n):
+    out = None
+    start = time.perf_counter()
+    for _ in range(n):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / n
+
+
+def _optimizer_rows(loss, params, x, y, captured):
+    """name -> (fn, args) of the optimizer updates, or {} without ``vk.curvature.kfac``."""
+    kfac = getattr(vk.curvature, "kfac", None)
+    if kfac is None:
+        return {}
+    grads = jax.grad(loss)(params, x, y)
+    sgd = optax.sgd(0.01, momentum=0.9)
+    rows = {"sgd update": (jax.jit(sgd.update), (grads, sgd.init(params), params))}
+    for name, kw in (
+        ("kfac update, cached inverses", dict(update_every=10**9)),
+        ("kfac update, eigh every 20", dict(update_every=20, solver="eigh")),
+    ):
+        opt = kfac(0.01, like=captured, momentum=0.9, **kw)
+        state = opt.init(params)
+        # the first update computes the inverses; time the steady state after it
+        _, state = opt.update(grads, state, params, curvature=captured)
+
+        def step(g, s, p, c, opt=opt):
+            updates, s = opt.update(g, s, p, curvature=c)
+            return updates, s
+
+        rows[name] = (jax.jit(step), (grads, state, params, captured))
+    return rows
+
+
+def bench_model(key, rounds, block, rng):
+    title, loss, params, x, y = _setup(key)
+    rows = {"value_and_grad": (jax.jit(jax.value_and_grad(loss)), (params, x, y))}
+    k = jax.random.key(1)
+    for stat in STATS:
+        f = jax.jit(vk.value_and_grad(loss, capture=vk.curvature.stats("*", [stat])))
+        rows[stat] = (lambda p, x, y, f=f: f(p, x, y, key=k), (params, x, y))
+    _, captured = jax.jit(vk.value_and_grad(loss, capture=vk.curvature.stats("*", ["kfac"])))(
+        params, x, y, key=k
+    )
+    opt_rows = _optimizer_rows(loss, params, x, y, captured)
+    rows.update(opt_rows)
+    for fn, args in rows.values():  # compile and warm up
+        jax.block_until_ready(fn(*args))
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in rows}
+    order = list(rows)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            fn, args = rows[name]
+            n = block if not name.startswith("kfac update, eigh") else max(block, 20)
+            times[name].append(_block(fn, args, n))
+
+    def ratio(a, b):
+        return statistics.median(u / v for u, v in zip(times[a], times[b]))
+
+    out = []
+    for name in rows:
+        base = "sgd update" if name.startswith(("kfac update", "sgd")) else "value_and_grad"
+        r = ratio(name, base)
+        limit = TARGETS.get((key, name))
+        if name == "diag_ggn":
+            limit = 1.3 * CLASSES
+        out.append(
+            {
+                "row": name,
+                "median_ms": 1e3 * statistics.median(times[name]),
+                "ratio": r,
+                "against": base,
+                "target": limit,
+                "met": None if limit is None else r <= limit,
+            }
+        )
+    return {"model": key, "title": title, "rows": out, "layers": sorted(captured)}
+
+
+def run(quick=False, rounds=11, block=20):
+    rng = random.Random(0)
+    if quick:
+        rounds, block = 3, 3
+    return {
+        "jax": jax.__version__,
+        "rounds": rounds,
+        "block": block,
+        "models": [bench_model(k, rounds, block, rng) for k in ("mlp_mnist", "cnn")],
+    }
+
+
+def markdown(res: dict) -> str:
+    lines = [
+        f"### Curvature statistics (jax {res['jax']}, medians of {res['rounds']} interleaved rounds)",
+        "",
+        "| model | row | median ms | ratio | against | target | met |",
+        "|---|---|---:|---:|---|---:|---|",
+    ]
+    for m in res["models"]:
+        for r in m["rows"]:
+            target = "" if r["target"] is None else f"<= {r['target']:g}"
+            met = "" if r["met"] is None else ("met" if r["met"] else "NOT met")
+            lines.append(
+                f"| {m['title']} | {r['row']} | {r['median_ms']:.2f} | {r['ratio']:.2f} | "
+                f"{r['against']} | {target} | {met} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--block", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    res = run(args.quick, args.rounds, args.block)
+    print(markdown(res))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
