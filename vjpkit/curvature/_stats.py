@@ -246,3 +246,64 @@ def layer_stats(
 
 def _used(grad_params: dict, like: dict) -> dict:
     return {k: grad_params[k] for k in like}
+
+
+# --------------------------------------------------------------------------------------------
+# Layers without a matrix form (embeddings, norm affines, any per-example layer): the diagonal
+# and first-order statistics from per-example parameter gradients, materialised one seed at a time
+
+
+def local_stats(
+    which: Sequence[str],
+    per_example: Any,
+    params: Any,
+    grad_params: Any,
+    d: jax.Array,
+    exact: jax.Array | None,
+    mc: jax.Array | None,
+    n: int,
+    where: str,
+    kind: str,
+) -> dict[str, Any]:
+    """The statistics of a layer with no K-FAC rule, from ``per_example(g) -> {leaf: (N, ...)}``,
+    its per-example parameter gradients for output cotangents ``g`` (examples on axis 0)."""
+    factors = [s for s in which if s in FACTORS]
+    if factors:
+        raise ConfigError(
+            f"vk.curvature.stats: {where} is {kind}, which has no Kronecker-factored rule, so "
+            f"{factors} are not defined for it. Ask for its diagonal ({list(DIAGONAL)}: the "
+            "diagonal block kfac-jax uses for scale-and-shift layers) or leave it out of the globs."
+        )
+    if d.shape[0] != n:
+        raise ConfigError(
+            f"vk.curvature.stats: {where}: the per-example statistics {list(which)} read axis 0 of "
+            f"the layer's output as the {n} examples of the registered loss, but it has "
+            f"{d.shape[0]} entries there."
+        )
+    dtype = jnp.promote_types(d.dtype, jnp.float32)
+
+    def square_sum(seeds):  # sum over seeds and examples of the squared per-example gradients
+        def body(acc, g):
+            pe = per_example(g)
+            return jax.tree.map(lambda a, p: a + jnp.sum(jnp.square(p.astype(dtype)), axis=0), acc, pe), None
+
+        zero = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
+        return lax.scan(body, zero, seeds)[0]
+
+    out: dict[str, Any] = {}
+    if "diag_ggn" in which:
+        out["diag_ggn"] = square_sum(exact)
+    if "diag_ggn_mc" in which:
+        out["diag_ggn_mc"] = square_sum(mc)
+    if "sum_grad_squared" in which or "variance" in which:
+        sgs = square_sum(d[None])
+        if "sum_grad_squared" in which:
+            out["sum_grad_squared"] = sgs
+        if "variance" in which:
+            out["variance"] = jax.tree.map(lambda s, g: n * s - jnp.square(g.astype(dtype)), sgs, grad_params)
+    if "batch_l2" in which:
+        pe = per_example(d)
+        out["batch_l2"] = jax.tree.map(
+            lambda p: jnp.sum(jnp.square(p.astype(dtype)).reshape(p.shape[0], -1), axis=1), pe
+        )
+    return out

@@ -24,14 +24,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from .. import _autodiff, _engine, _format
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
 from . import _losses
-from ._stats import StatsSpec, layer_stats
-from ._types import Layout
+from ._stats import StatsSpec, layer_stats, local_stats
+from ._types import LayerCurvature, Layout
 
 
 def _split(capture: Any, name: str) -> tuple[tuple[StatsSpec, ...], tuple[CaptureSpec, ...]]:
@@ -128,9 +129,9 @@ def transform(
                 continue
             if not jax.tree.leaves(rec.params):
                 continue
-            layout = _layout(site, paths, spec, name)
+            rule = _rule(site, paths, spec, name)
             result_captured[k] = _stacked_stats(
-                spec.which, layout, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k
+                spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k
             )
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
@@ -151,14 +152,21 @@ def _takes_key(fun: Callable) -> bool:
     return any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _stacked_stats(which, layout, rec, exact, mc, n, n_scans, key) -> Any:
-    """``layer_stats`` of one call, vmapped over its record's ``n_scans`` stacked scan axes."""
+def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key) -> Any:
+    """The statistics of one call, vmapped over its record's ``n_scans`` stacked scan axes."""
+    where = f"layer {key!r}"
 
     def one(params, grad_params, x, d, ex, sm):
-        flat = _flat(params)
-        g_flat = _flat(grad_params) if grad_params is not None else {}
-        stats = layer_stats(which, layout, flat, g_flat, x, d, ex, sm, n, f"layer {key!r}")
-        return _rekey(stats, params)
+        if isinstance(rule, Layout):
+            g_flat = _flat(grad_params) if grad_params is not None else {}
+            stats = layer_stats(which, rule, _flat(params), g_flat, x, d, ex, sm, n, where)
+            return _rekey(stats, params)
+        per_example, kind = rule
+        grad_params = grad_params if grad_params is not None else jax.tree.map(jnp.zeros_like, params)
+        fields = local_stats(
+            which, lambda g: per_example(params, x, g), params, grad_params, d, ex, sm, n, where, kind
+        )
+        return LayerCurvature(**fields, layout=Layout("local", "", None))
 
     ex = exact.grad_output if exact is not None else None
     sm = mc.grad_output if mc is not None else None
@@ -166,6 +174,36 @@ def _stacked_stats(which, layout, rec, exact, mc, n, n_scans, key) -> Any:
     for _ in range(n_scans):
         fn = jax.vmap(fn, in_axes=(0, 0, 0, 0, None if ex is None else 1, None if sm is None else 1))
     return fn(rec.params, rec.grad_params, rec.input, rec.grad_output, ex, sm)
+
+
+def _masked_per_example(site: Any) -> Callable | None:
+    """``per_example(params, x, g)``: the call's per-example parameter gradients, the vjp of its
+    own computation at ``g`` masked to one example at a time (exact for any layer whose examples
+    do not mix); ``None`` when the call closes over values its record does not hold."""
+    layout = site.layout
+    kwargs_tree = layout.tree.children()[2]
+    if layout.n_hoisted or kwargs_tree.num_leaves or len(site.eqn.outvars) != 1:
+        return None
+    fn = jcore.jaxpr_as_fun(site.span.jaxpr)
+    single = len(layout.tree.children()[1].children()) == 1
+
+    def per_example(params, x, g):
+        inputs = (x,) if single else tuple(x)
+        kwargs = jax.tree.unflatten(kwargs_tree, [])
+
+        def f(p):
+            return fn(*layout.join([], p, inputs, kwargs))[0]
+
+        _, pull = jax.vjp(f, params)
+        examples = jnp.arange(g.shape[0])
+
+        def one(i):
+            mask = (examples == i).reshape(-1, *([1] * (g.ndim - 1)))
+            return pull(jnp.where(mask, g, 0).astype(g.dtype))[0]
+
+        return jax.vmap(one)(examples)
+
+    return per_example
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -196,8 +234,9 @@ def _leaf_paths(diff: list, nums: tuple[int, ...]) -> list[tuple[int, tuple]]:
     return out
 
 
-def _layout(site: Any, paths: list, spec: StatsSpec, transform: str) -> Layout:
-    """How the call's params map to the K-FAC matrix, from its kind (see ``_types.Layout``)."""
+def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
+    """A ``Layout`` (how the call's params map to the K-FAC matrix, from its kind) for a dense
+    or conv layer; ``(per_example, kind)`` for any other per-example layer (see ``local_stats``)."""
     params = _flat(site.record.params)
     kind = site.kind
     where = f"layer {site.key!r}"
@@ -214,13 +253,19 @@ def _layout(site: Any, paths: list, spec: StatsSpec, transform: str) -> Layout:
     else:
         what = (
             "an affine norm" if isinstance(kind, AffineNorm)
-            else f"kind {kind.kind!r}" if isinstance(kind, LayerKind) else "a layer of no known kind"
+            else f"a layer of kind {kind.kind!r}" if isinstance(kind, LayerKind)
+            else "a layer of no known kind"
         )  # fmt: skip
-        raise ConfigError(
-            f"{transform}: vk.curvature.stats{list(spec.which)}: {where} is {what} with params "
-            f"{_format.describe(site.record.params)}; curvature statistics have rules for dense and "
-            "convolution layers. Leave it out of the layer globs."
+        per_example = (
+            None if isinstance(kind, LayerKind) and kind.kind == "batch" else _masked_per_example(site)
         )
+        if per_example is None:
+            raise ConfigError(
+                f"{transform}: vk.curvature.stats{list(spec.which)}: {where} is {what} with params "
+                f"{_format.describe(site.record.params)}, which has no curvature rule (its examples "
+                "mix, or it closes over values its record does not hold). Leave it out of the globs."
+            )
+        return per_example, what
     weight, bias = roles.get("weight"), roles.get("bias")
     if weight is None:
         raise ConfigError(f"{transform}: vk.curvature.stats: {where} has no weight among {sorted(params)}.")
