@@ -109,6 +109,30 @@ def main() -> dict:
     except Exception as err:  # the test checks the message
         out["shard_map"] = f"{type(err).__name__}: {err}"
 
+    # on_host(every=2) without hook_state inside shard_map: each device counts its own steps
+    shard_rows = X.reshape(n, -1, X.shape[1])
+    seen = []
+
+    def which_shard(r):
+        found = [k for k in range(n) if _close(r.input, shard_rows[k])]
+        seen.append(str(found[0]) if len(found) == 1 else "None")
+
+    hooked = vk.grad(loss, hooks={"fc1": vk.on_host(which_shard, every=2)})
+    f = jax.jit(
+        jax.shard_map(
+            lambda p, x, y: jax.lax.pmean(hooked(p, x, y), "data"),
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=P(),
+        )
+    )
+    steps = []
+    for _ in range(4):
+        start = len(seen)
+        jax.block_until_ready(f(PARAMS, xs, ys))
+        steps.append(sorted(seen[start:]))
+    out["shard_map_every2_host"] = steps
+
     out["pmap"] = pmap_delivery(n)
     return out
 

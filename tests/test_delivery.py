@@ -169,6 +169,20 @@ def test_user_jit_loop_without_hook_state_counts_on_the_host():
     assert seen == list(range(0, 100, 9))
 
 
+def test_every_n_counted_on_the_host_counts_steps_per_example_under_vmap():
+    """Under ``vmap`` of the transform each example makes its own host callback per step; without
+    ``hook_state`` each example counts its own steps (as a batched hook state would), so every
+    example delivers on steps 1 and 3, never a callback count that strides over the examples."""
+    seen = []
+    g = vk.grad(loss_fn, hooks={"fc": vk.on_host(lambda rec: seen.append(input_step(rec)), every=2)})
+    step = jax.jit(jax.vmap(g, (None, (0, None))))
+    y = np.zeros((4, 2), np.float32)
+    for t in range(4):  # example k of step t has x = 10 t + k
+        xs = np.stack([np.full((4, 3), 10 * t + k, np.float32) for k in range(3)])
+        jax.block_until_ready(step(PARAMS, (xs, y)))
+    assert seen == [0, 1, 2, 20, 21, 22]
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["host_call", "pure_callback_fallback"])
 def test_both_transports_deliver_in_order_under_vmap_and_grad_of_grad(direct, monkeypatch):
     """The private ``host_call`` primitive and its ``jax.pure_callback`` fallback agree: in order,

@@ -113,15 +113,17 @@ def test_pmap_every_n_counted_on_the_host_one_device(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="vjpkit bug: without hook_state, on_host(every=N) counts host callbacks, and under "
-    "pmap (and shard_map) each device makes one per step, so with 4 devices two arbitrary "
-    "devices deliver on every step instead of all four on steps 1 and 3",
-)
 def test_pmap_every_n_counted_on_the_host_counts_steps(runs):
+    # without hook_state the host keeps one count per device: all four deliver on steps 1 and 3
     shards = [str(k) for k in range(4)]
     assert runs[4]["pmap"]["every2_host"] == [shards, [], shards, []]
+
+
+@pytest.mark.slow
+def test_shard_map_every_n_counted_on_the_host_counts_steps_on_each_device(runs):
+    for run in runs.values():
+        shards = [str(k) for k in range(run["devices"])]
+        assert run["shard_map_every2_host"] == [shards, [], shards, []]  # steps 1 and 3 of 4
 
 
 @pytest.mark.slow

@@ -6,13 +6,15 @@ runs ``fn(*numpy arrays)`` once on the host. It is a private primitive lowered w
 which passes XLA's host buffers to ``fn`` directly: ``jax.pure_callback`` first copies them
 into ``jax.Array`` objects, which costs more than the rest of a small step. The arrays ``fn``
 receives are only valid during the call: copy what you keep. Under ``vmap`` it runs once per
-example (sequentially); its token has no tangent. Where this JAX lacks that lowering helper,
+example (sequentially), and ``batch_index()`` tells ``fn`` which example it runs for; its token
+has no tangent. Where this JAX lacks that lowering helper,
 ``host_call`` falls back to ``jax.pure_callback``.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 
 import jax
@@ -73,6 +75,31 @@ def _lowering(ctx, *args, fn):
     return result
 
 
+_example = threading.local()
+
+
+def batch_index() -> tuple[int, ...]:
+    """Inside a ``host_call`` function run under ``vmap``: the example's index on each vmapped
+    axis, outermost first; ``()`` elsewhere (and with the ``jax.pure_callback`` fallback)."""
+    return getattr(_example, "index", ())
+
+
+class _PerExample:
+    """``fn`` under one ``vmap``: its last operand is the example's index, which ``batch_index()``
+    returns (after the enclosing vmaps' indices) while ``fn`` runs on the rest."""
+
+    def __init__(self, fn: Callable[..., None]):
+        self.fn = fn
+
+    def __call__(self, *bufs):
+        outer = batch_index()
+        _example.index = (*outer, int(bufs[-1]))
+        try:
+            self.fn(*bufs[:-1])
+        finally:
+            _example.index = outer
+
+
 def _batch(args, dims, *, fn):
     mapped = [isinstance(d, int) for d in dims]  # an unmapped operand's dim is None
     size = next(a.shape[d] for a, d, m in zip(args, dims, mapped) if m)
@@ -80,7 +107,9 @@ def _batch(args, dims, *, fn):
         jnp.moveaxis(a, d, 0) if m else jnp.broadcast_to(a, (size, *a.shape))
         for a, d, m in zip(args, dims, mapped)
     ]
-    return jax.lax.map(lambda xs: host_p.bind(*xs, fn=fn), moved), 0
+    per_example = _PerExample(fn)
+    index = jnp.arange(size, dtype=jnp.int32)
+    return jax.lax.map(lambda xs: host_p.bind(*xs, fn=per_example), (*moved, index)), 0
 
 
 def _jvp(primals, tangents, *, fn):

@@ -16,7 +16,12 @@ Elsewhere (``vk.jvp`` tangent hooks, inside ``vk.hook_chain``) each call emits i
 ``every=N`` hands ``fn`` the records of the 1st, (N+1)th, ... backward pass. When the function
 threads ``hook_state=`` (``vk.init_hook_state``; ``fit`` does), the count lives in the hook
 state and the decision is made inside the graph: a skipped step transfers nothing. Without
-``hook_state`` the count is kept on the host, and every step pays the transfer.
+``hook_state`` the count is kept on the host, and every step pays the transfer. It then counts
+steps, not callbacks: inside ``jax.pmap`` / ``jax.shard_map`` every device makes its own
+callback each step, so the transfer carries the device's index on the named axes
+(``_position``) and the host keeps one count per index (and per example under ``vmap``, by
+``_callback.batch_index``), under a lock, as the devices' callbacks may run at the same time.
+A ``jit`` over sharded arrays makes one callback per step (on one device), and one count.
 
 Transfers are ``_callback.host_call`` calls (no JAX effect, so a jitted step keeps JAX's fast
 dispatch path) chained to each other and tied to every array the transform returns: a step's
@@ -39,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _callback
 from ._callback import host_call
 from ._errors import ConfigError, HostHookError
 from ._records import Cotangents
@@ -138,6 +144,29 @@ def tie(token: jax.Array | None, tree: Any) -> Any:
     return jax.tree.map(tied, tree)
 
 
+def _position() -> jax.Array | None:
+    """This device's index on each named axis the step is traced under (``jax.pmap``,
+    ``jax.shard_map``, a named ``vmap``), as float32; ``None`` outside them.
+
+    Each device (or mapped example) makes its own host callback per step; the host counts
+    ``every`` per position, so a step is counted once whatever the number of devices.
+    """
+    try:
+        from jax._src import core as _core  # the trace's axis environment (private)
+
+        names = list(_core.get_axis_env().axis_sizes)
+    except (ImportError, AttributeError):  # pragma: no cover - another JAX: one count for all
+        return None
+    if not names:
+        return None
+    return jnp.stack([jnp.asarray(jax.lax.axis_index(name), jnp.float32) for name in names])
+
+
+def _where(position: Any) -> tuple[int, ...]:
+    """On the host: the key of the counter a callback counts in (device position, example)."""
+    return (*(int(v) for v in np.ravel(position)), *_callback.batch_index())
+
+
 def send_records(payload: list, order: list, due: dict, after: jax.Array | None = None) -> jax.Array:
     """One transfer that hands each ``vk.on_host`` hook its records, in backward order.
 
@@ -155,10 +184,13 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
     """
     gated = list(due)
     hooks_all = list({h: None for _, per_call in order for hooks in per_call for h in hooks})
+    counted = any(h.every > 1 for h in hooks_all if h not in due)  # every counted on the host
+    position = _position() if counted else None
 
     def deliver(tree):
         calls, flags = iter(tree[0]), dict(zip(gated, tree[1]))
-        passes = {h: bool(flags[h]) if h in flags else h._count_pass() for h in hooks_all}
+        where = _where(tree[2]) if counted else ()
+        passes = {h: bool(flags[h]) if h in flags else h._count_pass(where) for h in hooks_all}
         for lengths, hooks_per_call in order:
             group = [(hooks, next(calls)) for hooks in hooks_per_call]
             for index in reversed(list(np.ndindex(*lengths))):  # last iteration first
@@ -171,7 +203,7 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
     flags = [jnp.asarray(due[h], jnp.float32) for h in gated]  # float32 like the records: one buffer
     # when every hook skips steps, nothing at all crosses to the host on a step where none is due
     when = jnp.any(jnp.stack(flags) > 0) if gated and len(gated) == len(hooks_all) else None
-    return transfer(deliver, (payload, flags), after, when)
+    return transfer(deliver, (payload, flags, [] if position is None else [position]), after, when)
 
 
 class on_host:  # noqa: N801  (a hook factory, used like a function)
@@ -183,6 +215,7 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
             Its return value is ignored: host functions observe, they cannot rewrite.
         every: run on the records of one backward pass in ``every`` (the 1st, (N+1)th, ...).
             With ``hook_state=`` threaded, skipped passes transfer nothing (module docstring).
+            It counts steps, each device (under ``pmap`` / ``shard_map``) its own, never callbacks.
 
     Examples:
         >>> seen = []
@@ -199,18 +232,24 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
             raise ConfigError(f"vk.on_host: every must be a positive int, got {every!r}.")
         self.fn = fn
         self.every = every
-        self.passes = 0  # backward passes seen, when every > 1 is counted on the host
-        self.counts: collections.Counter = collections.Counter()  # per call key, for __call__
+        # backward passes seen, when every > 1 is counted on the host: per device position
+        self.passes: collections.Counter = collections.Counter()
+        self.counts: collections.Counter = collections.Counter()  # per (position, call key), __call__
+        self._lock = threading.Lock()  # the devices of a mesh call back at the same time
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, rec: Cotangents) -> None:
-        def deliver(rec):  # here every call is its own callback: count per call key
-            seen = self.counts[rec.key]
-            self.counts[rec.key] = seen + 1
+        position = _position() if self.every > 1 else None
+
+        def deliver(rec, position):  # here every call is its own callback: count per call key
+            key = (_where(position) if position is not None else (), rec.key)
+            with self._lock:
+                seen = self.counts[key]
+                self.counts[key] = seen + 1
             if seen % self.every == 0:
                 self._run(jax.tree.map(np.asarray, rec), f"layer {rec.name!r} (call {rec.call})")
 
-        jax.debug.callback(deliver, rec, ordered=True)
+        jax.debug.callback(deliver, rec, position, ordered=True)
 
     def send(self, captured: dict, due: jax.Array | None = None, after: jax.Array | None = None):
         """One transfer of a step's captured records to ``fn``; returns its token.
@@ -219,17 +258,22 @@ class on_host:  # noqa: N801  (a hook factory, used like a function)
         counted on the host.
         """
         where = f"captured records of {sorted(captured)}"
+        position = _position() if due is None and self.every > 1 else None
 
         def deliver(tree):
-            if due is not None or self._count_pass():
-                self._run(tree, where)
+            records, at = tree
+            if due is not None or self._count_pass(_where(at)):
+                self._run(records, where)
 
-        return transfer(deliver, captured, after, due)
+        return transfer(deliver, (captured, [] if position is None else [position]), after, due)
 
-    def _count_pass(self) -> bool:
-        """Counts one backward pass on the host; whether ``fn`` sees this one."""
-        self.passes += 1
-        return (self.passes - 1) % self.every == 0
+    def _count_pass(self, where: tuple[int, ...] = ()) -> bool:
+        """Counts one backward pass on the host at ``where`` (the calling device's position, and
+        example under ``vmap``); whether ``fn`` sees this one. Thread-safe."""
+        with self._lock:
+            seen = self.passes[where]
+            self.passes[where] = seen + 1
+        return seen % self.every == 0
 
     def _deliver(self, rec: Cotangents) -> None:
         self._run(rec, None)
