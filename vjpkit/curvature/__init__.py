@@ -8,6 +8,8 @@ Examples:
 """
 
 from .. import _autodiff
+from ._kfac import KfacState as KfacState
+from ._kfac import kfac as kfac
 from ._losses import mse as mse
 from ._losses import sigmoid_binary_cross_entropy as sigmoid_binary_cross_entropy
 from ._losses import softmax_cross_entropy as softmax_cross_entropy
@@ -24,9 +26,11 @@ _autodiff.PROGRAM_CAPTURES[StatsSpec] = _transform
 __all__ = [
     "STATISTICS",
     "Factors",
+    "KfacState",
     "LayerCurvature",
     "Layout",
     "StatsSpec",
+    "kfac",
     "mse",
     "sigmoid_binary_cross_entropy",
     "softmax_cross_entropy",
