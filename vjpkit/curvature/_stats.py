@@ -122,6 +122,14 @@ def _rows_in(layout: Layout, x: jax.Array, w_shape: tuple[int, ...]) -> jax.Arra
     return x.reshape(x.shape[0], -1, n_in)
 
 
+def _wide(dtype: Any) -> Any:
+    """The statistics' dtype: the layer's float dtype, at least float32 (no promotion lattice:
+    strict dtype promotion has no path from float64 to float32)."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits >= 32:
+        return dtype
+    return jnp.float32
+
+
 def _n_in(layout: Layout, w_shape: tuple[int, ...]) -> int:
     if layout.transpose:
         return math.prod(w_shape[len(w_shape) - layout.in_ndim :])
@@ -195,7 +203,7 @@ def layer_stats(
     """The statistics ``which`` of one layer call (see the module contract)."""
     w_shape = tuple(params[layout.weight].shape)
     n_in, n_out = _matrix_shape(layout, w_shape)
-    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    dtype = _wide(x.dtype)
     a = _rows_in(layout, x.astype(dtype), w_shape)
     per_example = [s for s in which if s not in FACTORS]
     if per_example and (a.shape[0] != n or d.shape[0] != n):
@@ -280,7 +288,7 @@ def local_stats(
             f"the layer's output as the {n} examples of the registered loss, but it has "
             f"{d.shape[0]} entries there."
         )
-    dtype = jnp.promote_types(d.dtype, jnp.float32)
+    dtype = _wide(d.dtype)
 
     def square_sum(seeds):  # sum over seeds and examples of the squared per-example gradients
         def body(acc, g):
