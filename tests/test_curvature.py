@@ -61,14 +61,8 @@ ALL = [
 
 @contextlib.contextmanager
 def x64():
-    """float64, for the tight comparisons.
-
-    The standard promotion here is only the workaround of the bug that
-    ``test_float64_inputs_under_strict_promotion`` shows (``layer_stats`` promotes the input
-    dtype with float32 through JAX's promotion, which strict mode refuses for float64): drop it
-    when that test passes.
-    """
-    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
+    """float64, for the tight comparisons (strict promotion stays on, as conftest sets it)."""
+    with jax.enable_x64(True):
         yield
 
 
@@ -484,11 +478,6 @@ def test_kflr_is_the_exact_ggn_of_one_dense_layer_on_one_example(kind, f64):
     tree_allclose(np.kron(np.asarray(A), np.asarray(G)), np.asarray(jac.T @ hess @ jac), **F64)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vjpkit/curvature/_stats.py layer_stats: jnp.promote_types(x.dtype, jnp.float32) raises "
-    "TypePromotionError for float64 inputs under jax_numpy_dtype_promotion='strict'",
-)
 def test_float64_inputs_under_strict_promotion():
     with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
         p = {"fc": {"w": jnp.ones((3, 2), jnp.float64), "b": jnp.zeros(2, jnp.float64)}}
@@ -901,6 +890,25 @@ def test_cond_takes_the_statistics_of_the_taken_branch(jit_or_eager, f64):
         untaken = captured[other]
         for leaf in (untaken.kflr.G, *jax.tree.leaves(untaken.diag_ggn), *jax.tree.leaves(untaken.batch_l2)):
             assert np.all(np.isnan(np.asarray(leaf))), (other, leaf)
+
+
+def test_a_weight_used_twice_has_statistics_per_call(jit_or_eager, f64):
+    """Each call of a shared weight (``fc``, ``fc#1``) has its own statistics (docs/curvature.md):
+    those of the same program with the weight untied into two copies, one per call."""
+    rng = np.random.default_rng(17)
+    p = {
+        "fc": {"w": _normal(rng, 4, 4, scale=0.6), "b": _normal(rng, 4)},
+        "head": mlp_params(rng, (4, 3))["fc1"],
+    }
+    x, y = _normal(rng, 5, 4), targets("ce_int", rng, 5, 3)
+    tied: Stages = [("fc", dense), (None, jnp.tanh), ("fc", dense), (None, jnp.tanh), ("head", dense)]
+    untied: Stages = [("fc", dense), (None, jnp.tanh), ("again", dense), (None, jnp.tanh), ("head", dense)]
+    _, captured = jit_or_eager(vk.grad(loss_fn(tied, "ce_int"), capture=vk.curvature.stats("*", EXACT)))(
+        p, x, y
+    )
+    assert set(captured) == {"fc", "fc#1", "head"}
+    refs = references(untied, "ce_int", {**p, "again": p["fc"]}, x, y)
+    check_exact({"fc": captured["fc"], "again": captured["fc#1"], "head": captured["head"]}, refs)
 
 
 @pytest.mark.parametrize("wrap", ["checkpoint", pytest.param("inner_jit", marks=SLOW)])

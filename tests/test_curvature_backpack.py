@@ -74,9 +74,7 @@ def f64():
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
-            # standard promotion: the workaround of the strict-promotion bug that
-            # tests/test_curvature.py::test_float64_inputs_under_strict_promotion shows
+        with jax.enable_x64(True):
             yield
     finally:
         torch.set_default_dtype(prev)
