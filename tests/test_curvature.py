@@ -16,9 +16,10 @@ vjpkit's own path, each written from its definition (``vjpkit/curvature/_types.p
   Monte-Carlo tolerance is six standard errors of the sample count);
 * the first-order statistics from ``jax.vmap(jax.grad(l_n / N))``, with BackPACK's formulas.
 
-Each case runs jitted and eagerly (the eager variants but the MLP's are marked slow: an eager
-call compiles each of its small programs on first use), the sweeps over losses jitted;
-references and tight comparisons run in float64. A library bug found here is an
+The model sources and control-flow cases run jitted and eagerly (``jit_or_eager``: the eager
+variants but the MLP's are marked slow, as an eager call compiles each of its small programs on
+first use), the sweeps over losses jitted only; references and tight comparisons run in float64
+under the suite's strict dtype promotion. A library bug found here is an
 ``xfail(strict=True)`` naming it.
 """
 
