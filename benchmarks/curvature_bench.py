@@ -19,9 +19,20 @@ median over rounds of the per-round ratio to the gradient row:
   20 steps (``solver="eigh"``, amortised over the block), target <= 3x. Both optimizer rows
   are timed on the update alone, the statistics given (the same arrays every call).
 
+kfac-jax, beside the MLP's ``kfac`` row: when ``kfac_jax_env.side_python()`` has its side
+environment (kfac-jax 0.0.8 on jax 0.9.1, its own venv: 0.0.8 fails on jax >= 0.9.2),
+``kfac_jax_side.py bench`` times there, on the same MLP weights and batch, kfac-jax's
+``value_and_grad``, its curvature update (``fisher_gradients``, one sample), the fused
+value-and-grad-plus-curvature update and ``kfac_jax.Optimizer.step``. Reported: the fused
+step's ratio to kfac-jax's own ``value_and_grad`` and the cross ratio of vjpkit's ``kfac`` row
+time to kfac-jax's fused step time (two processes, two jax versions), target <= 0.8, with the
+side's versions. Without the side environment the part is skipped with the reason; ``--quick``
+uses only an environment already made (and skips the optimizer rows), a full run makes it
+(``kfac_jax_env.py``); ``--no-kfac-jax`` skips the part.
+
 Usage: ``python benchmarks/curvature_bench.py [--quick] [--rounds 11] [--block 20]
-[--out benchmarks/curvature_results.json]``. ``run.py`` runs it too (``--no-curvature`` skips
-it). Run it on an idle machine.
+[--no-kfac-jax] [--out benchmarks/curvature_results.json]``. ``run.py`` runs it too
+(``--no-curvature`` skips it). Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -31,16 +42,20 @@ import json
 import pathlib
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import kfac_jax_env  # noqa: E402
 import models  # noqa: E402
 
 import vjpkit as vk  # noqa: E402
@@ -58,6 +73,8 @@ TARGETS = {
     ("cnn", "kfac update, eigh every 20"): 3.0,
 }
 STATS = ("kfac", "kfac_empirical", "kflr", "diag_ggn", "diag_ggn_mc")
+KFAC_JAX_TARGET = 0.8  # vjpkit's kfac row time / kfac-jax's fused value_and_grad + curvature
+KFAC_JAX_FUSED = "fused value_and_grad + curvature update"
 CLASSES = 10
 
 
@@ -153,16 +170,64 @@ def bench_model(key, rounds, block, rng):
     return {"model": key, "title": title, "rows": out, "layers": sorted(captured)}
 
 
-def run(quick=False, rounds=11, block=20):
+def kfac_jax_part(mlp, quick, rounds, block):
+    """kfac-jax's steps on the MLP in the side environment, beside vjpkit's ``kfac`` row."""
+    python = kfac_jax_env.side_python(create=not quick)
+    if python is None:
+        return {"status": f"skipped: {kfac_jax_env.side_reason(create=not quick)}"}
+    _, _, params, x, y = _setup("mlp_mnist")
+    layers = ("fc1", "fc2", "fc3")
+    arrays = {"x": np.asarray(x), "y": np.asarray(y)}
+    for i, name in enumerate(layers):
+        arrays[f"w{i}"] = np.asarray(params[name]["weight"])
+        arrays[f"b{i}"] = np.asarray(params[name]["bias"])
+    with tempfile.TemporaryDirectory() as tmp:
+        np.savez(f"{tmp}/mlp.npz", **arrays)
+        cmd = [python, str(HERE / "kfac_jax_side.py"), "bench", "--in", f"{tmp}/mlp.npz"]
+        cmd += ["--out", f"{tmp}/side.json", "--rounds", str(rounds), "--block", str(block)]
+        if quick:
+            cmd += ["--quick", "--no-optimizer"]
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=3600, env=kfac_jax_env.side_env()
+            )
+        except subprocess.TimeoutExpired:
+            return {"status": "failed: kfac_jax_side.py bench timed out (3600 s)"}
+        if proc.returncode:
+            return {"status": f"failed: kfac_jax_side.py bench: {proc.stderr.strip()[-1500:]}"}
+        side = json.loads(pathlib.Path(f"{tmp}/side.json").read_text())
+    ours = {r["row"]: r for r in mlp["rows"]}["kfac"]
+    fused = {r["row"]: r for r in side["rows"]}[KFAC_JAX_FUSED]
+    cross = ours["median_ms"] / fused["median_ms"]
+    return {
+        "status": "ok",
+        "python": python,
+        "versions": side["versions"],
+        "side": side,
+        "fused_ratio": fused["ratio"],
+        "vjpkit_kfac_ms": ours["median_ms"],
+        "kfac_jax_fused_ms": fused["median_ms"],
+        "cross_ratio": cross,
+        # the same, each step over its own value_and_grad (cancels the two processes' speeds)
+        "cross_ratio_of_ratios": ours["ratio"] / fused["ratio"],
+        "target": KFAC_JAX_TARGET,
+        "met": cross <= KFAC_JAX_TARGET,
+    }
+
+
+def run(quick=False, rounds=11, block=20, kfac_jax=True):
     rng = random.Random(0)
     if quick:
         rounds, block = 3, 3
-    return {
+    res = {
         "jax": jax.__version__,
         "rounds": rounds,
         "block": block,
         "models": [bench_model(k, rounds, block, rng) for k in ("mlp_mnist", "cnn")],
     }
+    if kfac_jax:
+        res["kfac_jax"] = kfac_jax_part(res["models"][0], quick, rounds, block)
+    return res
 
 
 def markdown(res: dict) -> str:
@@ -180,7 +245,35 @@ def markdown(res: dict) -> str:
                 f"| {m['title']} | {r['row']} | {r['median_ms']:.2f} | {r['ratio']:.2f} | "
                 f"{r['against']} | {target} | {met} |"
             )
+    lines += _kfac_jax_markdown(res.get("kfac_jax"))
     return "\n".join(lines)
+
+
+def _kfac_jax_markdown(part):
+    if part is None:
+        return []
+    if part["status"] != "ok":
+        return ["", f"kfac-jax beside the MLP's kfac row: {part['status']}"]
+    v, side = part["versions"], part["side"]
+    lines = [
+        "",
+        f"#### kfac-jax {v['kfac_jax']} on the MLP 784-512-512-10, batch 128 (side environment: "
+        f"jax {v['jax']}, jaxlib {v['jaxlib']}, optax {v['optax']}; medians of {side['rounds']} "
+        "interleaved rounds)",
+        "",
+        "| row | median ms | ratio to its value_and_grad |",
+        "|---|---:|---:|",
+    ]
+    for r in side["rows"]:
+        lines.append(f"| kfac-jax {r['row']} | {r['median_ms']:.2f} | {r['ratio']:.2f} |")
+    met = "met" if part["met"] else "NOT met"
+    lines += [
+        "",
+        f"vjpkit kfac row / kfac-jax fused value_and_grad + curvature: {part['vjpkit_kfac_ms']:.2f} / "
+        f"{part['kfac_jax_fused_ms']:.2f} ms = {part['cross_ratio']:.2f} (target <= {part['target']:g}: "
+        f"{met}); each over its own value_and_grad: {part['cross_ratio_of_ratios']:.2f}.",
+    ]
+    return lines
 
 
 def main(argv=None):
@@ -189,8 +282,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--block", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-kfac-jax", action="store_true", help="skip kfac-jax's side environment part")
     args = ap.parse_args(argv)
-    res = run(args.quick, args.rounds, args.block)
+    res = run(args.quick, args.rounds, args.block, kfac_jax=not args.no_kfac_jax)
     print(markdown(res))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(res, indent=2))
