@@ -128,7 +128,7 @@ def compared(tmp_path_factory):
             assert proc.returncode == 0, proc.stderr[-4000:]
             (shared / "part.npz").rename(shared / "out.npz")
     theirs = dict(np.load(shared / "out.npz"))
-    with jax.enable_x64(True), jax.numpy_dtype_promotion("standard"):
+    with jax.enable_x64(True):
         p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
         xs, ys = jnp.asarray(x, jnp.float64), jnp.asarray(y, jnp.int32)
         ours = {}
