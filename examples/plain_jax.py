@@ -20,7 +20,8 @@ the model predicts every next token, and after the first period each one is a co
 3. plots the gradient flow (``plot_gradient_flow``), one line per layer and block, to --out;
 4. prints per-example gradient norms of a few sequences (``per_example_grad_norms``; layers
    inside ``lax.scan`` have no per-example record, so their leaves take the exact
-   ``jax.vmap(jax.grad)`` path, and a ``UserWarning`` names them).
+   ``jax.vmap(jax.grad)`` path, and a ``UserWarning`` names them; another one names the tied
+   head, ``h @ embed.T``, which has no dense fast path and takes a vmapped vjp of that layer).
 
 Run: ``python examples/plain_jax.py`` (about 300 steps; ``--steps N`` for a shorter run).
 Needs ``pip install -e ".[plot]"`` (matplotlib) for the plot.
@@ -190,7 +191,8 @@ def main(argv=None):
 
     # 4. Per-example gradient norms of a few test sequences. A layer inside lax.scan has no
     # per-example record: its leaves take the exact jax.vmap(jax.grad) path, and a UserWarning
-    # names them.
+    # names them. The tied head (h @ embed.T, a transposed weight) has no dense fast path: a
+    # second UserWarning names it and the per-layer vmapped vjp it takes.
     batch = jnp.asarray(test[:8])
     _, _, norms = jax.jit(vk.inspect.per_example_grad_norms(loss_fn))(state.params, batch)
     print("per-example gradient norms:", np.array2string(np.asarray(norms.total), precision=3))

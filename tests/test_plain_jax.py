@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import io
 import pathlib
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -967,3 +968,116 @@ def test_jitted_grad_with_capture_traces_the_loss_once():
         tree_allclose(grads, jgrad(mlp_loss)(p, x, Y3), **F32)
         assert set(captured) == {"fc1", "fc2", "fc3"}
     assert len(traces) == 1
+
+
+# --------------------------------------------------------------------- per-example norms: no fast path
+
+
+def _grouped_conv_loss(p, x):
+    h = lax.conv_general_dilated(
+        x, p["conv"]["w"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2
+    )
+    h = jnp.tanh(h + p["conv"]["b"]).reshape(x.shape[0], -1)
+    return jnp.mean(jnp.sum(jnp.tanh(h @ p["head"]["w"] + p["head"]["b"]) ** 2, axis=1))
+
+
+def _batch_dim_loss(p, x):
+    h = jnp.einsum("bhd,hde->bhe", x.reshape(x.shape[0], 2, 3), p["heads"]["w"]) + p["heads"]["b"]
+    h = jnp.tanh(h).reshape(x.shape[0], -1)
+    return jnp.mean(jnp.sum(jnp.tanh(h @ p["head"]["w"] + p["head"]["b"]) ** 2, axis=1))
+
+
+def _transposed_loss(p, x):
+    h = jnp.tanh(x @ p["fc"]["w"].T)
+    return jnp.mean(jnp.sum(jnp.tanh(h @ p["head"]["w"] + p["head"]["b"]) ** 2, axis=1))
+
+
+def _head_params(seed: int, n_in: int) -> dict:
+    return {"w": _normal(seed, n_in, 2), "b": _normal(seed + 1, 2)}
+
+
+# name: (loss, params, batch, the warning's text for the layer without a fast path)
+NO_FAST_PATH = {
+    "grouped_conv": (
+        _grouped_conv_loss,
+        lambda: {
+            "conv": {"w": _normal(0, 3, 3, 2, 4), "b": _normal(1, 4)},
+            "head": _head_params(2, 4 * 4 * 4),
+        },
+        lambda: _normal(10, 5, 4, 4, 4),
+        # in the per-example program (vmapped over the examples) the conv's batching rule puts a
+        # reshape between it and the bias add, so the bias is a shift layer of its own there
+        r"'conv/w' \(a conv_general_dilated with feature_group_count=2; params \['conv/w'\]\)",
+    ),
+    "batch_dim_on_weight": (
+        _batch_dim_loss,
+        lambda: {"heads": {"w": _normal(0, 2, 3, 4), "b": _normal(1, 2, 4)}, "head": _head_params(2, 8)},
+        lambda: _normal(10, 5, 6),
+        r"'heads' \(a dot_general [^;]*with batch dimensions \(\d+,\) on the input and \(0,\) on the weight; "
+        r"params \['heads/b', 'heads/w'\]\)",
+    ),
+    "transposed_weight": (
+        _transposed_loss,
+        lambda: {"fc": {"w": _normal(0, 3, 4)}, "head": _head_params(2, 3)},
+        lambda: _normal(10, 5, 4),
+        r"'fc/w' \(a dot_general of parameters computed from the leaves \(by transpose\), not leaves as "
+        r"they are; params \['fc/w'\]\)",
+    ),
+}
+
+
+def per_example_norm_reference(loss: Callable, params: Any, x: jax.Array) -> dict[str, np.ndarray]:
+    """``{leaf path: ||g_i||}`` and ``"total"`` from ``jax.vmap(jax.grad)`` of the one-example loss."""
+    per = jax.jit(jax.vmap(jax.grad(lambda p, xi: loss(p, xi[None])), in_axes=(None, 0)))(params, x)
+    sq = {
+        k: np.sum(np.square(np.asarray(g, np.float64)).reshape(len(x), -1), 1)
+        for k, g in leaf_paths(per).items()
+    }
+    return {"total": np.sqrt(sum(sq.values())), **{k: np.sqrt(v) for k, v in sq.items()}}
+
+
+@pytest.mark.parametrize("case", list(NO_FAST_PATH), ids=list(NO_FAST_PATH))
+def test_per_example_norms_of_a_layer_with_no_fast_path_name_it_and_stay_exact(case, maybe_jit):
+    """A plain-JAX layer found but with no dense/conv fast path (a grouped conv, batch dimensions on
+    the weight, a transposed weight): per-example norms warn with its name (the parameter path),
+    its equation and the path taken instead (a vmapped vjp of that layer alone), and stay equal to
+    ``vmap(grad)``. The dense head keeps its fast path: nothing falls back to ``vmap(grad)``."""
+    loss, make_params, make_x, named = NO_FAST_PATH[case]
+    params, x = make_params(), make_x()
+    _, captured = jax.jit(vk.grad(loss, capture="*"))(params, x)
+    assert "head" in captured and len(captured) == 2  # both layers are found
+    with pytest.warns(UserWarning, match="no dense or conv fast path") as record:
+        loss_value, grads, norms = maybe_jit(vk.inspect.per_example_grad_norms(loss))(params, x)
+    messages = [str(w.message) for w in record]
+    (message,) = [m for m in messages if "fast path" in m]
+    assert re.search(named, message), message
+    assert "vmapped vjp of that layer's own computation" in message and "'head'" not in message
+    assert not any("fall back to jax.vmap(jax.grad)" in m for m in messages)
+    tree_allclose((loss_value, grads), (loss(params, x), jgrad(loss)(params, x)), **F32)
+    want = per_example_norm_reference(loss, params, x)
+    np.testing.assert_allclose(norms.total, want["total"], rtol=1e-5, atol=1e-6)
+    got = leaf_paths(norms.params)
+    assert sorted(got) == sorted(k for k in want if k != "total")
+    for path, value in got.items():
+        np.testing.assert_allclose(value, want[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_a_layer_with_no_fast_path_that_falls_back_names_its_equation(maybe_jit):
+    """When the layer-local path is not possible either (the grouped conv's kernel is masked by a
+    constant array, an operand other than its params and input), the leaves fall back to
+    ``vmap(grad)``, and the warning still names the layer and its equation."""
+    mask = np.tril(np.ones((9, 8), bool)).reshape(3, 3, 2, 4)
+
+    def loss(p, x):  # jnp.where(mask, w, 0): a select_n with a constant operand, hoisted
+        masked = {"conv": {"w": jnp.where(mask, p["conv"]["w"], 0.0), "b": p["conv"]["b"]}, "head": p["head"]}
+        return _grouped_conv_loss(masked, x)
+
+    params, x = NO_FAST_PATH["grouped_conv"][1](), NO_FAST_PATH["grouped_conv"][2]()
+    with pytest.warns(UserWarning, match="fall back to jax.vmap") as record:
+        _, _, norms = maybe_jit(vk.inspect.per_example_grad_norms(loss))(params, x)
+    (message,) = [str(w.message) for w in record if "fall back" in str(w.message)]
+    assert "'conv/w' (" in message and "feature_group_count=2" in message, message
+    want = per_example_norm_reference(loss, params, x)
+    np.testing.assert_allclose(norms.total, want["total"], rtol=1e-5, atol=1e-6)
+    for path, value in leaf_paths(norms.params).items():
+        np.testing.assert_allclose(value, want[path], rtol=1e-5, atol=1e-6, err_msg=path)

@@ -22,7 +22,10 @@ Kinds are static descriptions, never arrays. This module imports no framework an
   ``fn(params, x_i)`` at ``grad_output_i``; ``batched`` says whether ``fn`` expects the
   example with a leading batch axis of 1 (Flax) or without (Equinox). ``vk.inspect`` takes
   that vjp of the call's own computation as traced on one example (which also holds any
-  ``vmap`` s inside the model), so ``fn`` describes the layer but is not needed there.
+  ``vmap`` s inside the model), so ``fn`` describes the layer but is not needed there. A
+  plain-JAX ``dot_general`` / ``conv_general_dilated`` layer that is not the canonical dense or
+  conv is local with a ``note``: the equation in words (``"conv_general_dilated with
+  feature_group_count=2"``), which messages quote.
 * ``LayerKind("batch")``: a layer whose output for one example depends on the other examples
   of its input (batch statistics: batch norm in training mode); per-example gradients are not
   defined through it.
@@ -56,6 +59,7 @@ class LayerKind:
     dilation: tuple[int, ...] = ()  # conv kernel dilation per spatial axis; () means none
     fn: Callable | None = None
     batched: bool = True
+    note: str = ""  # a matched layer with no dense/conv fast path: its equation, for messages
 
 
 class AffineNorm(NamedTuple):

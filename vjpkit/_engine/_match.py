@@ -413,55 +413,69 @@ def _name(keys: Sequence[str], weight: str | None) -> tuple[str, list[str]]:
 
 def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
     """A ``LayerKind`` the per-example fast paths read: dense or conv when the span is the
-    canonical ``x @ W + b`` / NHWC-HWIO convolution of its leaves as they are, else local."""
+    canonical ``x @ W + b`` / NHWC-HWIO convolution of its leaves as they are, else local. A
+    local ``dot_general`` / ``conv_general_dilated`` notes why: the equation and what in it has
+    no fast path (``"conv_general_dilated with feature_group_count=2"``)."""
     name = eqn.primitive.name
+    if name not in ("dot_general", "conv_general_dilated"):
+        return LayerKind("local")  # an embedding or a norm's affine: the local path is theirs
+    why: list[str] = []  # what has no fast path, in words
+    if w != 1:
+        if name != "dot_general":
+            return LayerKind("local", note=f"{name} with the parameter as its input, not its kernel")
+        why.append("with the weight as its left operand (W @ x)")
     extra = body - {i, *joined}
     bias = [j for j in joined if eqns[j].primitive.name == "add"]
-    if name not in ("dot_general", "conv_general_dilated") or w != 1 or len(joined) != len(bias):
-        return LayerKind("local")
-    weight = eqn.invars[1]
-    if weight not in roles_of:
-        return LayerKind("local")
-    roles = {roles_of[weight]: "weight"}
-    allowed = set()
+    if len(joined) != len(bias):
+        why.append("followed by a transpose of its output")
+    roles, allowed = {}, set()
     if bias:
-        b_eqn = eqns[bias[0]]
-        b = next(a for a in b_eqn.invars if a is not eqn.outvars[0])
+        prev = eqns[joined[joined.index(bias[0]) - 1]].outvars[0] if joined[0] != bias[0] else eqn.outvars[0]
+        b = next(a for a in eqns[bias[0]].invars if a is not prev)  # not the (transposed) output
         src = _broadcast_source(b, eqns, extra)
         if src is None or src[0] not in roles_of:
-            return LayerKind("local")
-        roles[roles_of[src[0]]] = "bias"
-        allowed = src[1]
+            why.append("with a bias that is not a parameter leaf (broadcast)")
+        else:
+            roles[roles_of[src[0]]] = "bias"
+            allowed = src[1]
+    weight, x_var = eqn.invars[w], eqn.invars[1 - w]
     if extra - allowed:
-        return LayerKind("local")
-    x_aval, w_aval = eqn.invars[0].aval, weight.aval
+        ops = ", ".join(sorted({eqns[k].primitive.name for k in extra - allowed}))
+        why.append(f"of parameters computed from the leaves (by {ops}), not leaves as they are")
+    elif weight not in roles_of:
+        why.append("of a weight that is not a parameter leaf")
+    else:
+        roles[roles_of[weight]] = "weight"
+    x_aval, w_aval = x_var.aval, weight.aval
     if name == "dot_general":
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if w != 1:  # name the dimensions by role: the input's, then the weight's
+            lc, rc, lb, rb = rc, lc, rb, lb
         n = len(lc)
-        if (
-            lb
-            or rb
-            or tuple(lc) != tuple(range(x_aval.ndim - n, x_aval.ndim))
-            or tuple(rc) != tuple(range(n))
-        ):
-            return LayerKind("local")
-        if bias and w_aval.ndim - n != 1:
-            return LayerKind("local")
+        if lb or rb:
+            why.append(f"with batch dimensions {tuple(lb)} on the input and {tuple(rb)} on the weight")
+        elif tuple(lc) != tuple(range(x_aval.ndim - n, x_aval.ndim)) or tuple(rc) != tuple(range(n)):
+            why.append(
+                f"contracting input axes {tuple(lc)} with weight axes {tuple(rc)} (not the input's "
+                "last axes with the weight's first)"
+            )
+        elif bias and w_aval.ndim - n != 1:
+            why.append(f"with a bias and {w_aval.ndim - n} output axes of the weight")
+        if why:
+            return LayerKind("local", note=f"{name} {', '.join(why)}")
         return LayerKind("dense", roles=roles, in_ndim=n)
     p = eqn.params
     dn = p["dimension_numbers"]
     nd = x_aval.ndim
     channels_last = (0, nd - 1, *range(1, nd - 1))
     kernel = (nd - 1, nd - 2, *range(nd - 2))
-    if (
-        tuple(dn.lhs_spec) != channels_last
-        or tuple(dn.out_spec) != channels_last
-        or tuple(dn.rhs_spec) != kernel
-        or p["feature_group_count"] != 1
-        or p["batch_group_count"] != 1
-        or any(d != 1 for d in p["lhs_dilation"])
-    ):
-        return LayerKind("local")
+    why += [f"with {k}={p[k]}" for k in ("feature_group_count", "batch_group_count") if p[k] != 1]
+    if any(d != 1 for d in p["lhs_dilation"]):
+        why.append(f"with lhs_dilation={tuple(p['lhs_dilation'])}")
+    if (tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)) != (channels_last, kernel, channels_last):
+        why.append("with a layout other than channels-last (NWC/NHWC input, WIO/HWIO kernel)")
+    if why:
+        return LayerKind("local", note=f"{name} {', '.join(why)}")
     dil = tuple(p["rhs_dilation"])
     return LayerKind(
         "conv",

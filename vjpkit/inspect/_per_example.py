@@ -64,6 +64,11 @@ Each parameter leaf gets its per-example gradient one of these ways:
   ``RMSNorm``/``Conv``, Equinox ``Embedding``/``LayerNorm``/``RMSNorm``/``Conv2d``, also under
   nested ``vmap`` s): a vmap over the examples of the vjp of *that call's own computation* on one
   example (the call as traced over a batch of one), so ``B * (its params)`` floats.
+* plain-JAX layers (found by dataflow, ``_engine._match``): ``x @ W (+ b)`` and channels-last
+  convolutions of leaves as they are take the dense and conv paths, embeddings and norm affines
+  the local one. A matched ``dot_general`` or ``conv_general_dilated`` of another form (feature
+  groups, batch dimensions on the weight, a transposed, cast or combined weight) also takes the
+  local path, with a ``UserWarning`` naming the layer, its equation and its params.
 * a leaf used only by calls whose inputs are the same for every example (a positional
   embedding looked up with ``arange``; found by dataflow from the batch) is lifted over the
   examples: broadcast and vmapped like the batch, so its calls become per-example calls and
@@ -829,13 +834,15 @@ def analyze(
                 views[c.key] = view
                 kind, cfg = _classify(c, view, conv)
         if kind is None:
-            why[c.key] = cfg
+            note = c.foreign.note if c.foreign is not None else ""
+            why[c.key] = f"{cfg}; the layer is a {note}" if note else cfg
         for role, (ix, _) in c.params.items():
             if ix is not None:
                 uses[ix].append(_Use(c.key, role, kind, cfg) if kind else None)
 
     leaves: list[_Leaf | None] = []
     fallback: dict[int, str] = {}
+    noted: dict[str, tuple[str, list[str]]] = {}  # matched calls taken by the local path: why
     for i in range(len(paths)):
         if not wanted[i]:
             leaves.append(None)
@@ -860,8 +867,11 @@ def analyze(
         if kind == "local":
             g = 0.0
             for v, x_use in zip(vs, u):
-                pex = _local_per_example(calls_by_key[x_use.key], param_leaves, v)
+                c = calls_by_key[x_use.key]
+                pex = _local_per_example(c, param_leaves, v)
                 g = g + scaled(pex[x_use.role])
+                if c.foreign.note:
+                    noted.setdefault(c.key, (c.foreign.note, []))[1].append(paths[i])
             ok = None
             if agg is not None:
                 bound = jnp.sum(jnp.abs(g), axis=0)
@@ -918,6 +928,8 @@ def analyze(
         ok = None if agg is None else _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
         leaves.append(_Materialized(g, ok))
 
+    if noted:
+        _warn_local(noted, who)
     if fallback:
         _warn_fallback(fallback, paths, owners, who)
         per_example = _vmap_grads(loss_fn, params, batch, list(fallback))
@@ -992,6 +1004,20 @@ def _warn_fallback(fallback: dict[int, str], paths, owners, who) -> None:
         f"{who}: per-example gradients of {'; '.join(parts)} fall back to jax.vmap(jax.grad) of the "
         "per-example loss with respect to those parameters only (exact, but it forms their "
         "per-example gradients and runs a vmapped backward pass).",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _warn_local(noted: dict[str, tuple[str, list[str]]], who: str) -> None:
+    """Plain-JAX layers found but with no dense/conv fast path: the equation, the parameter
+    paths, and the path taken instead."""
+    parts = [f"{key!r} (a {note}; params {leaf_paths})" for key, (note, leaf_paths) in noted.items()]
+    warnings.warn(
+        f"{who}: no dense or conv fast path for the plain-JAX layer(s) {'; '.join(parts)}: the "
+        "per-example gradients of those parameters are taken by a vmapped vjp of that layer's own "
+        "computation over the examples (exact, but it forms batch x the layer's parameter size "
+        "floats, as jax.vmap(jax.grad) would for them).",
         UserWarning,
         stacklevel=4,
     )
