@@ -258,16 +258,21 @@ def layer_rows(name: str, p: dict, h: jax.Array) -> np.ndarray:
     return h.reshape(-1, w.shape[0])
 
 
-def a_factor(rows: np.ndarray, n: int) -> np.ndarray:
-    rows = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+def a_factor(rows: np.ndarray, n: int, conv: bool = False) -> np.ndarray:
+    """``(1/N) sum_rows [a, c][a, c]^T``: ``c = 1``, or ``1/sqrt(T)`` for a convolution's ``T``
+    patches per example (BackPACK's convention: the bias entry is 1)."""
+    c = 1 / np.sqrt(rows.shape[0] // n) if conv else 1.0
+    rows = np.concatenate([rows, np.full((rows.shape[0], 1), c)], axis=1)
     return rows.T @ rows / n
 
 
-def g_factor(grad_outputs: list[jax.Array]) -> np.ndarray:
-    """``sum_seeds sum_rows g g^T``."""
+def g_factor(grad_outputs: list[jax.Array], conv: bool = False) -> np.ndarray:
+    """``sum_seeds sum_rows g g^T``; for a convolution (BackPACK's convention) each example's
+    cotangents are summed over the output positions first."""
     total = 0.0
     for g in grad_outputs:
-        g = np.asarray(g).reshape(-1, g.shape[-1])
+        g = np.asarray(g)
+        g = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1) if conv else g.reshape(-1, g.shape[-1])
         total = total + g.T @ g
     return total
 
@@ -308,9 +313,10 @@ def references(stages: Stages, kind: str, p: dict, x, y, local=()) -> dict[str, 
     for name in inputs:
         refs[name] = {}
         if name not in local:
-            refs[name]["A"] = a_factor(layer_rows(name, p, inputs[name]), n)
-            refs[name]["G"] = g_factor(list(exact[name]))
-            refs[name]["G_emp"] = n * g_factor([emp[name]])
+            conv = weight(p[name]).ndim == 4
+            refs[name]["A"] = a_factor(layer_rows(name, p, inputs[name]), n, conv)
+            refs[name]["G"] = g_factor(list(exact[name]), conv)
+            refs[name]["G_emp"] = n * g_factor([emp[name]], conv)
         refs[name] |= {
             "diag_ggn": jax.tree.map(np.asarray, diag[name]),
             "sum_grad_squared": sgs[name],
@@ -404,16 +410,9 @@ def layer_norm(q: dict, h: jax.Array) -> jax.Array:
 LOCAL: Stages = [("emb", embed), ("ln", layer_norm), (None, jnp.tanh), ("fc", dense)]
 
 
-NN_EMBEDDING_AS_DENSE = (
-    "vjpkit/curvature/_transform.py _rule: a call of no known kind whose params are a 2-D 'weight' "
-    "(nn.embedding: it notes no kind) is taken for a dense layer x @ weight, so its integer ids are "
-    "read as features: TypeError (cannot reshape) / TypePromotionError (int32 with float32)"
-)
-
-
 @pytest.mark.parametrize(
     "source",
-    ["plain", pytest.param("nn", marks=pytest.mark.xfail(strict=True, reason=NN_EMBEDDING_AS_DENSE))],
+    ["plain", "nn"],
 )
 def test_embedding_and_layer_norm_diagonal_and_first_order(source, jit_or_eager, f64):
     """Layers without a matrix form (an embedding lookup, a layer norm's affine) get the
@@ -503,11 +502,6 @@ def test_float32_statistics_are_float32_and_close_to_float64():
         tree_allclose(captured[name].diag_ggn, f32(ref["diag_ggn"]), **F32)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vjpkit/curvature/_stats.py layer_stats: variance is N * sum_n g_n^2 - (sum_n g_n)^2, N^2 "
-    "times BackPACK's sgs / N - (grad / N)^2 (backpack/extensions/firstorder/variance/variance_base.py)",
-)
 def test_variance_is_backpacks(f64):
     rng = np.random.default_rng(4)
     p, x, y = mlp_params(rng), _normal(rng, 6, 3), targets("ce_int", rng, 6, 4)
@@ -776,13 +770,6 @@ def test_equinox_linear_stores_out_in(jit_or_eager, f64):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vjpkit/curvature/_transform.py _rule: stats('*') also matches the Flax root module 'Model' "
-    "(a container whose params are its children's): kflr raises 'a layer of no known kind' for it "
-    "(and diag_ggn would count the model again as one 'local' layer) instead of skipping containers; "
-    "the same for Equinox's root module",
-)
 def test_star_glob_on_a_flax_model(f64):
     flax_nn = pytest.importorskip("flax.linen")
 
@@ -997,7 +984,6 @@ def test_layer_without_a_rule_names_layer_kind_and_statistic():
         jax.jit(vk.grad(loss_e, capture=vk.curvature.stats("*", "kflr")))(emb, ids, y)
 
 
-@pytest.mark.xfail(strict=True, reason=NN_EMBEDDING_AS_DENSE)
 def test_nn_embedding_is_not_read_as_dense():
     ids, y = jnp.asarray([0, 1, 4, 2], jnp.int32), jnp.zeros(4, jnp.int32)
     model = nn.serial(emb=nn.embedding(5, 3), fc=nn.dense(2))
@@ -1007,11 +993,6 @@ def test_nn_embedding_is_not_read_as_dense():
     assert captured["emb"].diag_ggn["weight"].shape == (5, 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vjpkit/nn/_linear.py layer_norm does not note _kinds.AffineNorm (nn.rms_norm and "
-    "nn.batch_norm do), so the curvature error calls it 'a layer of no known kind'",
-)
 def test_layer_norm_error_names_its_kind():
     loss, params, x, y = _norm_model(nn.layer_norm())
     with pytest.raises(vk.ConfigError, match=r"(?s)'ln'.*affine norm.*\['kflr'\]"):

@@ -57,10 +57,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:Use
 TOL = {"rtol": 1e-5, "atol": 1e-12}
 FIRST = ["sum_grad_squared", "batch_l2"]
 N = 10
-VARIANCE_REASON = (
-    "vjpkit/curvature/_stats.py: variance is N * sum_n g_n^2 - (sum_n g_n)^2, N^2 times BackPACK's "
-    "sgs / N - (grad / N)^2 (backpack/extensions/firstorder/variance/variance_base.py)"
-)
 
 
 def close(got, want, what: str) -> None:
@@ -181,7 +177,6 @@ def test_mlp_kflr_diag_ggn_and_first_order(f64):
         close(stats.batch_l2["b"], b["batch_l2"], f"{name} batch_l2 bias")
 
 
-@pytest.mark.xfail(strict=True, reason=VARIANCE_REASON)
 def test_mlp_variance(f64):
     torch_model, params, x, y = mlp_setup(1)
     bp = run_backpack(torch_model, x, y, Variance())
@@ -280,15 +275,6 @@ def test_cnn_diag_ggn_first_order_and_linear_kflr(f64):
         close(getattr(fc, stat)["b"], bp["3"]["bias"][field], f"fc {stat} bias")
 
 
-CONV_KFLR_REASON = (
-    "vjpkit's conv KFLR is A = (1/N) sum_{n,t} [a,1][a,1]^T, G = sum_{n,t} g g^T; BackPACK's weight G is "
-    "sum_n (sum_t g)(sum_t g)^T (secondorder/hbp/convnd.py _factor_from_sqrt) and its bias factor is that "
-    "same G, the exact bias GGN, where vjpkit's bias block A[-1,-1] G = T sum g g^T is T (output "
-    "positions) times larger; issue 23 asks KFLR to 1e-5 of BackPACK on a CNN"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=CONV_KFLR_REASON)
 def test_cnn_conv_kflr_weight_is_backpacks(f64):
     torch_model, params, x, y = cnn_setup(4)
     bp = run_backpack(torch_model, x, y, KFLR())
@@ -298,7 +284,6 @@ def test_cnn_conv_kflr_weight_is_backpacks(f64):
     close(ours_w, np.kron(g_t, a_t), "conv kflr weight")
 
 
-@pytest.mark.xfail(strict=True, reason=CONV_KFLR_REASON)
 def test_cnn_conv_kflr_bias_is_backpacks(f64):
     torch_model, params, x, y = cnn_setup(4)
     bp = run_backpack(torch_model, x, y, KFLR())
@@ -308,10 +293,9 @@ def test_cnn_conv_kflr_bias_is_backpacks(f64):
 
 
 def test_cnn_conv_kflr_g_against_the_bias_ggn(f64):
-    """What holds under both conventions: BackPACK's conv ``G`` is the exact GGN of the bias
-    (its diagonal is vjpkit's ``diag_ggn`` of the bias), and vjpkit's ``G``, summed over the
-    ``T`` output positions, bounds it: ``T * G - G_backpack`` is positive semi-definite
-    (Cauchy-Schwarz, ``(sum_t g)(sum_t g)^T <= T sum_t g g^T``)."""
+    """BackPACK's conv ``G`` is the exact GGN of the bias (its diagonal is vjpkit's ``diag_ggn``
+    of the bias), and it bounds the per-position ("expand") factor kfac-jax uses:
+    ``T * sum_t g g^T - G`` is positive semi-definite (Cauchy-Schwarz)."""
     torch_model, params, x, y = cnn_setup(5)
     bp = run_backpack(torch_model, x, y, KFLR())
     _, cap = _jax_stats(cnn, params, x, y, ["kflr", "diag_ggn"])
@@ -320,4 +304,4 @@ def test_cnn_conv_kflr_g_against_the_bias_ggn(f64):
     close(np.diag(g_t), cap["0"].diag_ggn["b"], "BackPACK's conv G diagonal = vjpkit's bias diag_ggn")
     G = np.asarray(cap["0"].kflr.G)
     assert np.linalg.eigvalsh(G).min() >= -1e-12
-    assert np.linalg.eigvalsh(HW * HW * G - g_t).min() >= -1e-10
+    close(G, g_t, "vjpkit's conv G is BackPACK's")

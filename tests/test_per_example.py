@@ -240,9 +240,10 @@ def test_fallback_layers_warn_and_match():
     def loss(p, ids):
         return jnp.mean(jnp.sum(model.apply(p, ids) ** 2, axis=(1, 2)))
 
-    with pytest.warns(UserWarning, match=r"'emb'.*'ln'.*fall back to jax.vmap") as record:
+    with pytest.warns(UserWarning, match=r"'emb'.*fall back to jax.vmap") as record:
         _, _, norms = run(loss, params, ids)
-    assert "'fc'" not in str(record[0].message)  # the dense layer keeps its fast path
+    # the dense layer and the layer norm (an affine norm) keep their fast paths
+    assert "'fc'" not in str(record[0].message) and "'ln'" not in str(record[0].message)
     assert_norms_match(norms, loss, params, ids)
 
 
@@ -382,14 +383,14 @@ def test_dp_clip_cnn_and_sequence_and_fallback():
     model = nn.serial(conv=nn.conv2d(3, 3, stride=2), flat=nn.flatten(), ln=nn.layer_norm(), fc=nn.dense(2))
     x = jax.random.normal(jax.random.key(0), (6, 6, 5, 2))
     y = jax.random.randint(jax.random.key(1), (6,), 0, 2)
-    params = model.init(jax.random.key(2), x)
+    params = dict(model.init(jax.random.key(2), x), temperature=jnp.array(1.5))
 
-    def loss(p, x, y):
-        logits = model.apply(p, x)
+    def loss(p, x, y):  # the temperature is a parameter outside any layer: its leaf falls back
+        logits = model.apply({k: v for k, v in p.items() if k != "temperature"}, x) / p["temperature"]
         return jnp.mean(jax.nn.logsumexp(logits, 1) - jnp.take_along_axis(logits, y[:, None], 1)[:, 0])
 
     key = jax.random.key(4)
-    with pytest.warns(UserWarning, match="'ln'"):
+    with pytest.warns(UserWarning, match="'temperature'"):
         _, grads, _ = jax.jit(pe.dp_clip(0.3, 0.7, key)(loss))(params, x, y, step=jnp.int32(2))
     expected, _ = naive_dp(loss, params, (x, y), 0.3, 0.7, key, 2)
     tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)

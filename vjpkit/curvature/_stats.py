@@ -151,13 +151,22 @@ def _to_leaf(layout: Layout, m: jax.Array, w_shape: tuple[int, ...]) -> jax.Arra
 # --------------------------------------------------------------------------------------------
 
 
-def _factors(a: jax.Array, gs: jax.Array, n: int, bias: bool) -> Factors:
-    """``A = (1/N) sum_rows [a,1][a,1]^T``, ``G = sum_seeds sum_rows g g^T``."""
+def _factors(a: jax.Array, gs: jax.Array, n: int, bias: bool, conv: bool) -> Factors:
+    """Dense: ``A = (1/N) sum_rows [a,1][a,1]^T``, ``G = sum_seeds sum_rows g g^T``.
+
+    Convolution (BackPACK's KFLR / KFAC for convolutions): ``A = (1/N) sum_{n,t} [a,c][a,c]^T``
+    over the ``T`` patches of each example with ``c = 1/sqrt(T)`` (the bias entry of ``A`` is 1),
+    ``G = sum_seeds sum_n (sum_t g_nt)(sum_t g_nt)^T``, each example's cotangents summed over the
+    output positions: ``kron(A, G)``'s weight and bias blocks are BackPACK's.
+    """
+    t = a.shape[1]
     a = a.reshape(-1, a.shape[-1])
     if bias:
-        a = jnp.concatenate([a, jnp.ones((a.shape[0], 1), a.dtype)], axis=1)
+        c = 1 / math.sqrt(t) if conv else 1.0
+        a = jnp.concatenate([a, jnp.full((a.shape[0], 1), c, a.dtype)], axis=1)
     big_a = a.T @ a / n
-    g = gs.reshape(-1, gs.shape[-1])
+    g = gs.sum(axis=-2) if conv else gs  # (..., N, T, out) -> (..., N, out) for a convolution
+    g = g.reshape(-1, g.shape[-1])
     return Factors(big_a, g.T @ g)
 
 
@@ -218,14 +227,14 @@ def layer_stats(
         lead = g.ndim - d.ndim
         return g.astype(dtype).reshape(*g.shape[:lead], a.shape[0], -1, n_out)
 
-    bias = layout.bias is not None
+    bias, conv = layout.bias is not None, layout.kind == "conv"
     out: dict[str, Any] = {}
     if "kflr" in which:
-        out["kflr"] = _factors(a, rows(exact), n, bias)
+        out["kflr"] = _factors(a, rows(exact), n, bias, conv)
     if "kfac" in which:
-        out["kfac"] = _factors(a, rows(mc), n, bias)
+        out["kfac"] = _factors(a, rows(mc), n, bias, conv)
     if "kfac_empirical" in which:
-        out["kfac_empirical"] = _factors(a, rows(d) * jnp.sqrt(jnp.asarray(n, dtype)), n, bias)
+        out["kfac_empirical"] = _factors(a, rows(d) * jnp.sqrt(jnp.asarray(n, dtype)), n, bias, conv)
 
     def as_params(w_mat, b_vec):
         tree = {layout.weight: _to_leaf(layout, w_mat, w_shape)}
@@ -244,12 +253,18 @@ def layer_stats(
                 out["sum_grad_squared"] = sgs
             if "variance" in which:
                 out["variance"] = jax.tree.map(
-                    lambda s, g: n * s - jnp.square(g.astype(dtype)), sgs, _used(grad_params, sgs)
+                    lambda s, g: _variance(s, g.astype(dtype), n), sgs, _used(grad_params, sgs)
                 )
         if "batch_l2" in which:
             w, b = _batch_sq_norms(a, dd)
             out["batch_l2"] = {layout.weight: w, **({layout.bias: b} if bias else {})}
     return LayerCurvature(**out, layout=layout)
+
+
+def _variance(sgs: jax.Array, grad: jax.Array, n: int) -> jax.Array:
+    """BackPACK's ``Variance``: ``(1/N) sum_n g_n^2 - ((1/N) sum_n g_n)^2`` of the per-example
+    gradients ``g_n = grad l_n / N`` (``sgs = sum_n g_n^2``, ``grad = sum_n g_n``)."""
+    return sgs / n - jnp.square(grad / n)
 
 
 def _used(grad_params: dict, like: dict) -> dict:
@@ -308,7 +323,7 @@ def local_stats(
         if "sum_grad_squared" in which:
             out["sum_grad_squared"] = sgs
         if "variance" in which:
-            out["variance"] = jax.tree.map(lambda s, g: n * s - jnp.square(g.astype(dtype)), sgs, grad_params)
+            out["variance"] = jax.tree.map(lambda s, g: _variance(s, g.astype(dtype), n), sgs, grad_params)
     if "batch_l2" in which:
         pe = per_example(d)
         out["batch_l2"] = jax.tree.map(

@@ -127,8 +127,8 @@ def transform(
             if spec is None or site.spec is not raw:
                 result_captured[k] = rec
                 continue
-            if not jax.tree.leaves(rec.params):
-                continue
+            if not jax.tree.leaves(rec.params) or traced.plan.contains_calls(site):
+                continue  # no parameters, or a container (its layers have their own statistics)
             rule = _rule(site, paths, spec, name)
             result_captured[k] = _stacked_stats(
                 spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k
@@ -234,6 +234,18 @@ def _leaf_paths(diff: list, nums: tuple[int, ...]) -> list[tuple[int, tuple]]:
     return out
 
 
+def _plain_dense(site: Any, params: dict) -> bool:
+    """A kind-less ``{"weight" (in, out)[, "bias" (out,)]}`` layer on a float input ``(..., in)``
+    with output ``(..., out)`` (``vjpkit.nn.dense``; an embedding's table is not one)."""
+    if set(params) not in ({"weight"}, {"weight", "bias"}) or params["weight"].ndim != 2:
+        return False
+    x, y = site.record.input, site.record.output
+    if not (hasattr(x, "dtype") and hasattr(y, "dtype")) or not jnp.issubdtype(x.dtype, jnp.floating):
+        return False
+    n_in, n_out = params["weight"].shape
+    return x.shape[-1:] == (n_in,) and y.shape == (*x.shape[:-1], n_out)
+
+
 def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     """A ``Layout`` (how the call's params map to the K-FAC matrix, from its kind) for a dense
     or conv layer; ``(per_example, kind)`` for any other per-example layer (see ``local_stats``)."""
@@ -242,12 +254,7 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     where = f"layer {site.key!r}"
     if isinstance(kind, LayerKind) and kind.kind in ("dense", "conv"):
         roles = {role: p for p, role in kind.roles.items() if p in params}
-    elif (
-        kind is None
-        and "weight" in params
-        and set(params) <= {"weight", "bias"}
-        and params["weight"].ndim == 2
-    ):
+    elif kind is None and _plain_dense(site, params):
         kind, roles = LayerKind("dense"), {"weight": "weight", "bias": "bias"}
         roles = {r: p for r, p in roles.items() if p in params}
     else:

@@ -256,10 +256,15 @@ def layer_norm(
             params["bias"] = jnp.zeros((d,), dt)
         return params
 
-    def fn(params, x):
+    def normalize(params, x):
+        del params
         mean = jnp.mean(x, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + eps)
+        return (x - mean) * jax.lax.rsqrt(var + eps)
+
+    def fn(params, x):
+        _kinds.note(_kinds.AffineNorm(normalize))  # y = normalize(x) * scale + bias
+        y = normalize(params, x)
         if use_scale:
             y = y * params["scale"]
         if use_bias:
