@@ -11,10 +11,8 @@ registrations (``kfac_jax.register_dense`` by hand, and its graph matcher):
 
 * kfac-jax's ``ggn_exact`` and ``fisher_exact`` against vjpkit's ``kflr``;
 * kfac-jax's ``fisher_gradients`` (one sample, rng ``k``) against vjpkit's ``kfac`` with
-  ``mc_samples=1``. kfac-jax samples a single loss with its rng itself
-  (``jax.random.categorical(k, logits)``), vjpkit with ``jax.random.split(key, 1)[0]``: so
-  vjpkit's key ``K`` gives kfac-jax's samples for ``k = jax.random.split(K, 1)[0]`` (no ``K``
-  gives a chosen ``k``);
+  ``mc_samples=1`` and the same key: both sample a single loss with the key itself
+  (``jax.random.categorical(k, logits)``);
 * kfac-jax's ``fisher_gradients`` with ``num_samples=M`` (sample ``m`` from
   ``jax.random.split(k, M)[m]``, the factors averaged) against vjpkit's ``kfac`` with
   ``mc_samples=M`` and the same key: there the keys agree as they are.
@@ -91,7 +89,7 @@ def compared(tmp_path_factory):
         pytest.skip(f"no kfac-jax side environment: {env.side_reason()}")
     params, x, y = _problem()
     key = jax.random.key(7)  # vjpkit's key for both Monte-Carlo runs
-    key_one = jax.random.split(key, 1)[0]  # kfac-jax's rng giving vjpkit's one-sample labels
+    key_one = key  # one sample: both sample with the key itself
     arrays = {"x": x, "y": y, "num_samples": np.asarray(M), "activation": np.asarray("tanh")}
     for i in range(len(SIZES) - 1):
         arrays[f"w{i}"], arrays[f"b{i}"] = params[f"fc{i + 1}"]["w"], params[f"fc{i + 1}"]["b"]
@@ -141,7 +139,7 @@ def compared(tmp_path_factory):
             }
         logits = np.asarray(jax.jit(_model)(p, xs))
         labels = {
-            "one": np.asarray(jax.random.categorical(jax.random.split(key, 1)[0], logits, axis=-1)),
+            "one": np.asarray(jax.random.categorical(key, logits, axis=-1)),
             "m": np.stack(
                 [np.asarray(jax.random.categorical(k, logits, axis=-1)) for k in jax.random.split(key, M)]
             ),
@@ -176,12 +174,11 @@ def test_key_semantics(compared):
     """How kfac-jax draws its labels, on the arrays, and that jax 0.9.1 and 0.10.2 agree on them."""
     theirs, labels = compared["theirs"], compared["labels"]
     np.testing.assert_allclose(theirs["logits"], compared["logits"], rtol=1e-12, atol=1e-12)
-    # one sample: the rng itself; kfac-jax was given split(K, 1)[0], vjpkit's one-sample key for K
+    # one sample: the rng itself, in both (kfac-jax was given vjpkit's key K)
     assert bool(theirs["key_one_sample_is_categorical_of_key"])
     assert not bool(theirs["key_one_sample_is_split_1_0"])
     np.testing.assert_array_equal(theirs["key_labels_one_sample"], labels["one"])
-    # so kfac-jax with rng K itself would sample other labels than vjpkit with key K
-    assert not np.array_equal(labels["key_itself"], labels["one"])
+    np.testing.assert_array_equal(labels["key_itself"], labels["one"])
     # M samples: split(K, M)[m], as vjpkit
     np.testing.assert_array_equal(theirs["key_labels_split_m"], labels["m"])
     # kfac-jax's last-layer G is that of those labels (read back from its factors)

@@ -13,7 +13,8 @@ For a mark, ``sqrt_hessian`` gives the seeds ``S`` (one per column, stacked on a
 ``sum_k S_k S_k^T`` = the Hessian of the loss with respect to the output (block-diagonal over
 the examples: each example's block is its ``l_n``'s Hessian over ``N``), and ``sampled`` gives
 ``M`` Monte-Carlo seeds whose outer products equal it in expectation, from targets sampled from
-the model's predictive distribution (``jax.random.categorical`` of the logits, a Bernoulli, a
+the model's predictive distribution with ``jax.random.split(key, M)[m]`` (the key itself when
+``M = 1``, as kfac-jax does) (``jax.random.categorical`` of the logits, a Bernoulli, a
 unit Gaussian for the squared error).
 """
 
@@ -175,7 +176,8 @@ def sampled(mark: Mark, key: jax.Array, samples: int) -> jax.Array:
     """``samples`` Monte-Carlo seeds ``(M, *out.shape)``: ``E[sum_m s_m s_m^T]`` = the Hessian."""
     out = mark.output
     n, d = _per_element(out)
-    keys = jax.random.split(key, samples)
+    # sample m draws with split(key, M)[m]; one sample with the key itself (both as kfac-jax does)
+    keys = key[None] if samples == 1 else jax.random.split(key, samples)
     m = jnp.asarray(samples, out.dtype)
     if mark.kind == "softmax_cross_entropy":
         p = jax.nn.softmax(out, axis=-1)
