@@ -439,6 +439,9 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
             roles[roles_of[src[0]]] = "bias"
             allowed = src[1]
     weight, x_var = eqn.invars[w], eqn.invars[1 - w]
+    cast = _broadcast_source(weight, eqns, extra, _CASTS)  # a leaf through casts (bf16, pvary)
+    if cast is not None and cast[1] and cast[0] in roles_of:
+        weight, allowed = cast[0], allowed | cast[1]
     if extra - allowed:
         ops = ", ".join(sorted({eqns[k].primitive.name for k in extra - allowed}))
         why.append(f"of parameters computed from the leaves (by {ops}), not leaves as they are")
@@ -486,13 +489,21 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
     )
 
 
-def _broadcast_source(v, eqns, extra: set) -> tuple[Any, set] | None:
-    """``(leaf var, the equations between)`` when ``v`` is a leaf through broadcasts/reshapes."""
+# value-preserving casts between a parameter leaf and its use: a dtype convert, and the pvary
+# shard_map inserts where a replicated parameter meets varying data
+_CASTS = ("convert_element_type", "pvary")
+
+
+def _broadcast_source(
+    v, eqns, extra: set, prims=("broadcast_in_dim", "reshape", *_CASTS)
+) -> tuple[Any, set] | None:
+    """``(leaf var, the equations between)`` when ``v`` is a leaf through ``prims`` (broadcasts,
+    reshapes and casts by default)."""
     between = set()
     index = {o: k for k in extra for o in eqns[k].outvars}
     while v in index:
         k = index[v]
-        if eqns[k].primitive.name not in ("broadcast_in_dim", "reshape"):
+        if eqns[k].primitive.name not in prims:
             return None
         between.add(k)
         v = eqns[k].invars[0]
