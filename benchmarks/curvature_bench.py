@@ -13,11 +13,11 @@ median over rounds of the per-round ratio to the gradient row:
   targets <= 1.6x (MLP), <= 2.2x (CNN);
 * ``kflr``: the exact-GGN factors (C = 10 extra backward passes, no target);
 * ``diag_ggn``: the exact diagonal GGN, target <= 1.3 x C; ``diag_ggn_mc``: one sample, <= 2x;
-* with the K-FAC optimizer (``vk.curvature.kfac``) available: a training step that applies
-  ``kfac`` with cached inverses (``update_every`` larger than the run) against an
-  ``optax.sgd`` step on the same gradients, target <= 1.3x; with an eigendecomposition every
-  20 steps (``solver="eigh"``, amortised over the block), target <= 3x. Both optimizer rows
-  are timed on the update alone, the statistics given (the same arrays every call).
+* whole jitted training steps (gradient, update, ``optax.apply_updates``), 20 per timed call
+  with the state threaded, against an ``optax.sgd`` (momentum 0.9) step: a K-FAC preconditioning step with
+  cached inverses and no statistics (``kfac(...).update(..., curvature=None)``), target <= 1.3x;
+  a K-FAC step with the statistics every step and an eigendecomposition every 20 steps
+  (``solver="eigh"``, amortised over the 20), target <= 3x.
 
 kfac-jax, beside the MLP's ``kfac`` row: when ``kfac_jax_env.side_python()`` has its side
 environment (kfac-jax 0.0.8 on jax 0.9.1, its own venv: 0.0.8 fails on jax >= 0.9.2),
@@ -67,10 +67,10 @@ TARGETS = {
     ("cnn", "kfac_empirical"): 2.2,
     ("mlp_mnist", "diag_ggn_mc"): 2.0,
     ("cnn", "diag_ggn_mc"): 2.0,
-    ("mlp_mnist", "kfac update, cached inverses"): 1.3,
-    ("cnn", "kfac update, cached inverses"): 1.3,
-    ("mlp_mnist", "kfac update, eigh every 20"): 3.0,
-    ("cnn", "kfac update, eigh every 20"): 3.0,
+    ("mlp_mnist", "kfac step, cached inverses"): 1.3,
+    ("cnn", "kfac step, cached inverses"): 1.3,
+    ("mlp_mnist", "kfac step, statistics + eigh every 20"): 3.0,
+    ("cnn", "kfac step, statistics + eigh every 20"): 3.0,
 }
 STATS = ("kfac", "kfac_empirical", "kflr", "diag_ggn", "diag_ggn_mc")
 KFAC_JAX_TARGET = 0.8  # vjpkit's kfac row time / kfac-jax's fused value_and_grad + curvature
@@ -98,28 +98,53 @@ def _block(fn, args, n):
     return (time.perf_counter() - start) / n
 
 
+OPT_STEPS = 20  # training steps per timed call of the optimizer rows (one lax.scan)
+
+
 def _optimizer_rows(loss, params, x, y, captured):
-    """name -> (fn, args) of the optimizer updates, or {} without ``vk.curvature.kfac``."""
+    """name -> (fn, args) of whole training steps, ``OPT_STEPS`` per call, the state threaded (so
+    an eigendecomposition every 20 steps happens once per call), or {} without ``kfac``."""
     kfac = getattr(vk.curvature, "kfac", None)
     if kfac is None:
         return {}
-    grads = jax.grad(loss)(params, x, y)
+    spec = vk.curvature.stats("*", ["kfac"])
+    with_stats = vk.value_and_grad(loss, capture=spec)
+
+    def steps(update, stats):
+        @jax.jit
+        def one(p, s, k):
+            if stats:
+                (_, g), c = with_stats(p, x, y, key=k)
+            else:
+                g, c = jax.grad(loss)(p, x, y), None
+            u, s = update(g, s, p, c)
+            return optax.apply_updates(p, u), s
+
+        def run(p, s, key):  # a Python loop of jitted steps: XLA:CPU runs convolutions slowly in scan
+            for k in jax.random.split(key, OPT_STEPS):
+                p, s = one(p, s, k)
+            return p, s
+
+        return run
+
     sgd = optax.sgd(0.01, momentum=0.9)
-    rows = {"sgd update": (jax.jit(sgd.update), (grads, sgd.init(params), params))}
-    for name, kw in (
-        ("kfac update, cached inverses", dict(update_every=10**9)),
-        ("kfac update, eigh every 20", dict(update_every=20, solver="eigh")),
+    key = jax.random.key(2)
+    sgd_step = steps(lambda g, s, p, c: sgd.update(g, s, p), False)
+    rows = {"sgd step": (sgd_step, (params, sgd.init(params), key))}
+    for name, kw, stats in (
+        ("kfac step, cached inverses", dict(update_every=10**9), False),
+        ("kfac step, statistics + eigh every 20", dict(update_every=OPT_STEPS, solver="eigh"), True),
     ):
-        opt = kfac(0.01, like=captured, momentum=0.9, **kw)
+        opt = kfac(0.01, like=captured, momentum=0.9, damping=1e-2, **kw)
         state = opt.init(params)
-        # the first update computes the inverses; time the steady state after it
+        # the first update computes the inverses (count 0); each timed call then runs counts 1..20
+        grads = jax.grad(loss)(params, x, y)
         _, state = opt.update(grads, state, params, curvature=captured)
 
-        def step(g, s, p, c, opt=opt):
-            updates, s = opt.update(g, s, p, curvature=c)
-            return updates, s
+        def update(g, s, p, c, opt=opt):
+            return opt.update(g, s, p, curvature=c)
 
-        rows[name] = (jax.jit(step), (grads, state, params, captured))
+        rows[name] = (steps(update, stats), (params, state, key))
     return rows
 
 
@@ -144,15 +169,15 @@ def bench_model(key, rounds, block, rng):
         rng.shuffle(order)
         for name in order:
             fn, args = rows[name]
-            n = block if not name.startswith("kfac update, eigh") else max(block, 20)
-            times[name].append(_block(fn, args, n))
+            n = max(1, block // OPT_STEPS) if name in opt_rows else block
+            times[name].append(_block(fn, args, n) / (OPT_STEPS if name in opt_rows else 1))
 
     def ratio(a, b):
         return statistics.median(u / v for u, v in zip(times[a], times[b]))
 
     out = []
     for name in rows:
-        base = "sgd update" if name.startswith(("kfac update", "sgd")) else "value_and_grad"
+        base = "sgd step" if name in opt_rows else "value_and_grad"
         r = ratio(name, base)
         limit = TARGETS.get((key, name))
         if name == "diag_ggn":

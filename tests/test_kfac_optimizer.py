@@ -17,6 +17,7 @@ import optax
 import pytest
 from jax.tree_util import DictKey
 
+from tests.helpers import tree_allclose
 from vjpkit._errors import ConfigError
 from vjpkit.curvature._kfac import KfacState, kfac
 from vjpkit.curvature._types import Factors, LayerCurvature, Layout
@@ -576,8 +577,6 @@ def test_error_curvature_missing_at_update():
     like, params = _like(), _params32()
     opt = kfac(0.1, like=like)
     state = opt.init(params)
-    with pytest.raises(ConfigError, match=r"pass curvature="):
-        opt.update(params, state, params)
     partial = {k: v for k, v in like.items() if k != "fc2"}
     with pytest.raises(
         ConfigError, match=r"'fc2' of like are missing from this step's curvature.*vk\.curvature\.stats"
@@ -605,3 +604,17 @@ def test_error_bad_options(kw, match):
     with pytest.raises(ConfigError, match=match) as info:
         kfac(0.1, like=_like(), **kw)
     assert isinstance(info.value, ValueError)
+
+
+def test_a_step_without_statistics_uses_the_cached_inverses():
+    """``curvature=None``: the EMA is kept and the cached inverses precondition the step, as a
+    step with statistics between two refreshes does."""
+    like, params = _like(), _params32()
+    opt = kfac(0.1, like=like, update_every=5)
+    _, state = opt.update(params, opt.init(params), params, curvature=like)  # refreshes (count 0)
+    without, kept = opt.update(params, state, params)
+    with_stats, _ = opt.update(params, state, params, curvature=like)  # count 1: no refresh
+    tree_allclose(without, with_stats)
+    tree_allclose(kept.factors, state.factors)
+    tree_allclose(kept.inverses, state.inverses)
+    assert int(kept.count) == int(state.count) + 1

@@ -23,6 +23,9 @@ inverts and applies them.
 * Statistics. ``A_ema = decay * A_ema + (1 - decay) * A`` (same for ``G``), the EMA taking the
   first step's factors themselves (initialised at the first observation, not bias-corrected).
   With ``axis_name`` the step's factors are ``lax.pmean``-ed over that axis before the EMA.
+* A step without statistics (``update(..., curvature=None)``, the statistics computed only every
+  few steps to save their cost) keeps the EMA and preconditions with the cached inverses; the
+  first update needs statistics (before it the inverses are the initial ones).
 * Inverses are recomputed from the EMA when ``count % update_every == 0`` (``lax.cond``; the
   first step always), else the cached ones are reused: an ``"inverse"`` step between refreshes
   costs two matmuls per layer.
@@ -397,11 +400,6 @@ def kfac(
         return KfacState(jnp.asarray(np.zeros((), np.int32)), factors, inverses, tail.init(params))
 
     def step_factors(curvature: Mapping[str, LayerCurvature]) -> dict[str, Factors]:
-        if curvature is None:
-            raise ConfigError(
-                "kfac: update() needs the step's factors: pass curvature= (the dict vk.curvature.stats "
-                "captured for these gradients)."
-            )
         if not isinstance(curvature, Mapping):
             raise ConfigError(
                 f"kfac: curvature= is a {type(curvature).__name__}, not a dict of LayerCurvature."
@@ -448,24 +446,27 @@ def kfac(
         **extra_args: Any,
     ) -> tuple[Any, KfacState]:
         del extra_args  # other members' extra arguments under optax.chain
-        new = step_factors(curvature)
         warn_unpreconditioned()
-        first = state.count == 0
-        factors = {
-            k: Factors(
-                *(
-                    jnp.where(first, x, decay * old + (1.0 - decay) * x)
-                    for old, x in zip(state.factors[k], new[k], strict=True)
-                )
-            )
-            for k in new
-        }
-        if update_every == 1:
-            inverses = refresh(factors)
+        if curvature is None:  # no statistics this step: the cached inverses precondition it
+            factors, inverses = state.factors, state.inverses
         else:
-            inverses = lax.cond(
-                state.count % update_every == 0, refresh, lambda f, old: old, factors, state.inverses
-            )
+            new = step_factors(curvature)
+            first = state.count == 0
+            factors = {
+                k: Factors(
+                    *(
+                        jnp.where(first, x, decay * old + (1.0 - decay) * x)
+                        for old, x in zip(state.factors[k], new[k], strict=True)
+                    )
+                )
+                for k in new
+            }
+            if update_every == 1:
+                inverses = refresh(factors)
+            else:
+                inverses = lax.cond(
+                    state.count % update_every == 0, refresh, lambda f, old: old, factors, state.inverses
+                )
 
         index, leaves, treedef = leaf_index(updates, "the updates")
         direction = list(leaves)
