@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import optax
 
 from .. import _autodiff, _host
-from ..curvature import StatsSpec
 from .._errors import ConfigError
+from ..curvature import StatsSpec
 from ._state import TrainState
 
 NAN_POLICIES = ("stop", "continue", "off")
@@ -138,7 +138,8 @@ def build_step(
         else:
             (loss, grads), captured = (out[0] if state.hook_state else out), None
         if extra_args:
-            value_fn = lambda p: loss_fn(p, batch, **loss_kwargs)  # the plain loss: hooks change gradients only
+            # the plain loss: hooks change gradients only
+            value_fn = lambda p: loss_fn(p, batch, **loss_kwargs)
             more = {"curvature": captured} if curvature else {}
             updates, opt_state = optimizer.update(
                 grads, state.opt_state, state.params, value=loss, grad=grads, value_fn=value_fn, **more
