@@ -8,30 +8,19 @@ the K-FAC optimizer on a data mesh must agree.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+
+from tests.helpers import run_with_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_curvature_sharded_script.py"
 
 
 def run(devices: int) -> dict:
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        "PYTHONPATH": str(ROOT),
-    }
-    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_with_devices(SCRIPT, devices)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,11 @@ oracle: ``jax.grad`` by path, the plain forward pass and ``jax.vjp`` of the rest
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers import run_with_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_plain_sharded_script.py"
@@ -24,13 +21,7 @@ TOL = 1e-5  # the values are of order 1: float32 rounding of sums in another ord
 
 
 def _run(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
-    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_with_devices(SCRIPT, devices)
 
 
 def _assert_small(diffs, where: str) -> None:
