@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _engine
+from . import _capture, _engine
 from ._check import require_inexact
 from ._errors import ConfigError, SeedError
 from ._hook_base import HookState
@@ -93,8 +93,8 @@ PROGRAM_CAPTURES: dict[type, Callable] = {}
 
 
 def _program_capture(capture: Any) -> Callable | None:
-    items = capture if type(capture) in (list, tuple) else [capture]  # a spec may be a NamedTuple
-    return next((PROGRAM_CAPTURES[type(c)] for c in items if type(c) in PROGRAM_CAPTURES), None)
+    found = (PROGRAM_CAPTURES[type(c)] for c in _capture.items(capture) if type(c) in PROGRAM_CAPTURES)
+    return next(found, None)
 
 
 def _transform(

@@ -153,6 +153,12 @@ def capture(
     return CaptureSpec(globs, fields, reduce, host)
 
 
+def items(value: Any) -> list:
+    """The items of a ``capture=`` argument: the elements of a list or tuple, else the value
+    itself (a spec is a NamedTuple: a tuple, but one item)."""
+    return list(value) if type(value) in (list, tuple) else [value]
+
+
 def as_specs(value: Any, transform: str) -> tuple[CaptureSpec, ...]:
     """Normalises a ``capture=`` argument to a tuple of specs."""
     if value is None:

@@ -52,7 +52,7 @@ import optax
 from jax import lax
 
 from vjpkit._errors import ConfigError
-from vjpkit.curvature._types import Factors, LayerCurvature, Layout
+from vjpkit.curvature._types import Factors, LayerCurvature, Layout, stats_dtype
 
 __all__ = ["KfacState", "kfac"]
 
@@ -102,25 +102,6 @@ def _keystr(path) -> str:
 def _lead_sum(x: jax.Array) -> jax.Array:
     """Sums the leading (scan) axes of a stacked ``(..., d, d)`` factor."""
     return x if x.ndim == 2 else jnp.sum(x, axis=tuple(range(x.ndim - 2)))
-
-
-def _compute_dtype(dtype: Any) -> Any:
-    """The factors' dtype, at least float32 (half precision factors are inverted in float32)."""
-    dtype = np.dtype(dtype)
-    return dtype if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4 else np.dtype(np.float32)
-
-
-def _to_matrix(w: jax.Array, layout: Layout) -> jax.Array:
-    """The weight leaf as the ``(in, out)`` matrix of the factors."""
-    if layout.transpose:
-        n_out = w.ndim - layout.in_ndim
-        return w.reshape(math.prod(w.shape[:n_out]), -1).T
-    return w.reshape(math.prod(w.shape[: layout.in_ndim]), -1)
-
-
-def _from_matrix(m: jax.Array, shape: tuple, layout: Layout) -> jax.Array:
-    """Inverse of ``_to_matrix``."""
-    return m.T.reshape(shape) if layout.transpose else m.reshape(shape)
 
 
 def _factors_of(rec: Any, name: str, estimator: str, where: str) -> Factors:
@@ -232,7 +213,7 @@ def kfac(
                 f"kfac: layer {name!r} has no layout in like; pass records from vk.curvature.stats."
             )
         a_shape, g_shape = tuple(f.A.shape), tuple(f.G.shape)
-        dtype = jax.dtypes.canonicalize_dtype(_compute_dtype(f.A.dtype))
+        dtype = jax.dtypes.canonicalize_dtype(stats_dtype(f.A.dtype))
         shapes[name] = (a_shape, g_shape, dtype)
         if layout.weight_leaf is None or (layout.bias is not None and layout.bias_leaf is None):
             unpreconditioned.append(name)
@@ -320,11 +301,7 @@ def kfac(
                     f"{wshape}, which cannot hold in_ndim={layout.in_ndim} input axes and an output axis."
                 )
             n_in = layout.in_ndim
-            if layout.transpose:  # (out..., in...)
-                out_axes, in_axes = wshape[: len(wshape) - n_in], wshape[len(wshape) - n_in :]
-            else:  # (in..., out...)
-                in_axes, out_axes = wshape[:n_in], wshape[n_in:]
-            d_in, d_out = math.prod(in_axes), math.prod(out_axes)
+            d_in, d_out = layout.matrix_shape(wshape)
             has_bias = layout.bias_leaf is not None
             want_a, want_g = (d_in + has_bias,) * 2, (d_out,) * 2
             got_a, got_g = (blk.d_a, blk.d_a), (blk.d_g, blk.d_g)
@@ -474,7 +451,7 @@ def kfac(
             layout = blk.layout
             wi = index[tuple(layout.weight_leaf)]
             w = leaves[wi]
-            m = _to_matrix(w, layout).astype(blk.dtype)
+            m = layout.to_matrix(w).astype(blk.dtype)
             if layout.bias_leaf is not None:
                 bi = index[tuple(layout.bias_leaf)]
                 m = jnp.concatenate([m, leaves[bi].reshape(1, -1).astype(blk.dtype)], axis=0)
@@ -483,7 +460,7 @@ def kfac(
                 b = leaves[bi]
                 direction[bi] = p[-1].reshape(b.shape).astype(b.dtype)
                 p = p[:-1]
-            direction[wi] = _from_matrix(p, w.shape, layout).astype(w.dtype)
+            direction[wi] = layout.from_matrix(p, w.shape).astype(w.dtype)
         direction = jax.tree_util.tree_unflatten(treedef, direction)
         out, inner = tail.update(direction, state.inner, params)
         return out, KfacState(optax.safe_increment(state.count), factors, inverses, inner)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._errors import ConfigError
-from ._types import Factors, LayerCurvature, Layout
+from ._types import Factors, LayerCurvature, Layout, stats_dtype
 
 FACTORS = ("kflr", "kfac", "kfac_empirical")
 DIAGONAL = ("diag_ggn", "diag_ggn_mc")
@@ -118,34 +118,8 @@ def _rows_in(layout: Layout, x: jax.Array, w_shape: tuple[int, ...]) -> jax.Arra
         kernel = w_shape[:-1]
         x = _patches(x, layout, kernel)
         return x.reshape(x.shape[0], -1, x.shape[-1])
-    n_in = _n_in(layout, w_shape)
+    n_in, _ = layout.matrix_shape(w_shape)
     return x.reshape(x.shape[0], -1, n_in)
-
-
-def _wide(dtype: Any) -> Any:
-    """The statistics' dtype: the layer's float dtype, at least float32 (no promotion lattice:
-    strict dtype promotion has no path from float64 to float32)."""
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits >= 32:
-        return dtype
-    return jnp.float32
-
-
-def _n_in(layout: Layout, w_shape: tuple[int, ...]) -> int:
-    if layout.transpose:
-        return math.prod(w_shape[len(w_shape) - layout.in_ndim :])
-    return math.prod(w_shape[: layout.in_ndim])
-
-
-def _matrix_shape(layout: Layout, w_shape: tuple[int, ...]) -> tuple[int, int]:
-    n_in = _n_in(layout, w_shape)
-    return n_in, math.prod(w_shape) // n_in
-
-
-def _to_leaf(layout: Layout, m: jax.Array, w_shape: tuple[int, ...]) -> jax.Array:
-    """An ``(in, out)`` matrix laid out as the weight leaf."""
-    if layout.transpose:
-        return m.T.reshape(w_shape)
-    return m.reshape(w_shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,8 +185,8 @@ def layer_stats(
 ) -> LayerCurvature:
     """The statistics ``which`` of one layer call (see the module contract)."""
     w_shape = tuple(params[layout.weight].shape)
-    n_in, n_out = _matrix_shape(layout, w_shape)
-    dtype = _wide(x.dtype)
+    n_in, n_out = layout.matrix_shape(w_shape)
+    dtype = stats_dtype(x.dtype)
     a = _rows_in(layout, x.astype(dtype), w_shape)
     per_example = [s for s in which if s not in FACTORS]
     if per_example and (a.shape[0] != n or d.shape[0] != n):
@@ -237,7 +211,7 @@ def layer_stats(
         out["kfac_empirical"] = _factors(a, rows(d) * jnp.sqrt(jnp.asarray(n, dtype)), n, bias, conv)
 
     def as_params(w_mat, b_vec):
-        tree = {layout.weight: _to_leaf(layout, w_mat, w_shape)}
+        tree = {layout.weight: layout.from_matrix(w_mat, w_shape)}
         if bias:
             tree[layout.bias] = b_vec.reshape(params[layout.bias].shape)
         return tree
@@ -303,7 +277,7 @@ def local_stats(
             f"the layer's output as the {n} examples of the registered loss, but it has "
             f"{d.shape[0]} entries there."
         )
-    dtype = _wide(d.dtype)
+    dtype = stats_dtype(d.dtype)
 
     def square_sum(seeds):  # sum over seeds and examples of the squared per-example gradients
         def body(acc, g):

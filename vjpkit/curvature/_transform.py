@@ -17,6 +17,7 @@ Hooks are not allowed beside curvature statistics: the curvature passes would ru
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import inspect
 from collections.abc import Callable
@@ -26,17 +27,17 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from .. import _autodiff, _engine, _format
+from .. import _autodiff, _capture, _engine, _format
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
 from . import _losses
-from ._stats import StatsSpec, layer_stats, local_stats
+from ._stats import DIAGONAL, FIRST_ORDER, StatsSpec, layer_stats, local_stats
 from ._types import LayerCurvature, Layout
 
 
 def _split(capture: Any, name: str) -> tuple[tuple[StatsSpec, ...], tuple[CaptureSpec, ...]]:
-    items = list(capture) if type(capture) in (list, tuple) else [capture]  # specs are NamedTuples
+    items = _capture.items(capture)
     ours = tuple(c for c in items if isinstance(c, StatsSpec))
     rest = [c for c in items if not isinstance(c, StatsSpec)]
     return ours, (as_specs(rest if len(rest) > 1 else rest[0], name) if rest else ())
@@ -161,11 +162,9 @@ def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key) -> Any:
             g_flat = _flat(grad_params) if grad_params is not None else {}
             stats = layer_stats(which, rule, _flat(params), g_flat, x, d, ex, sm, n, where)
             return _rekey(stats, params)
-        per_example, kind = rule
+        linearize, kind = rule
         grad_params = grad_params if grad_params is not None else jax.tree.map(jnp.zeros_like, params)
-        fields = local_stats(
-            which, lambda g: per_example(params, x, g), params, grad_params, d, ex, sm, n, where, kind
-        )
+        fields = local_stats(which, linearize(params, x), params, grad_params, d, ex, sm, n, where, kind)
         return LayerCurvature(**fields, layout=Layout("local", "", None))
 
     ex = exact.grad_output if exact is not None else None
@@ -177,9 +176,10 @@ def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key) -> Any:
 
 
 def _masked_per_example(site: Any) -> Callable | None:
-    """``per_example(params, x, g)``: the call's per-example parameter gradients, the vjp of its
-    own computation at ``g`` masked to one example at a time (exact for any layer whose examples
-    do not mix); ``None`` when the call closes over values its record does not hold."""
+    """``linearize(params, x)``, which gives ``per_example(g)``: the call's per-example parameter
+    gradients, the vjp of its own computation (linearized once, whatever the number of seeds)
+    at ``g`` masked to one example at a time (exact for any layer whose examples do not mix);
+    ``None`` when the call closes over values its record does not hold."""
     layout = site.layout
     kwargs_tree = layout.tree.children()[2]
     if layout.n_hoisted or kwargs_tree.num_leaves or len(site.eqn.outvars) != 1:
@@ -187,7 +187,7 @@ def _masked_per_example(site: Any) -> Callable | None:
     fn = jcore.jaxpr_as_fun(site.span.jaxpr)
     single = len(layout.tree.children()[1].children()) == 1
 
-    def per_example(params, x, g):
+    def linearize(params, x):
         inputs = (x,) if single else tuple(x)
         kwargs = jax.tree.unflatten(kwargs_tree, [])
 
@@ -195,15 +195,19 @@ def _masked_per_example(site: Any) -> Callable | None:
             return fn(*layout.join([], p, inputs, kwargs))[0]
 
         _, pull = jax.vjp(f, params)
-        examples = jnp.arange(g.shape[0])
 
-        def one(i):
-            mask = (examples == i).reshape(-1, *([1] * (g.ndim - 1)))
-            return pull(jnp.where(mask, g, 0).astype(g.dtype))[0]
+        def per_example(g):
+            examples = jnp.arange(g.shape[0])
 
-        return jax.vmap(one)(examples)
+            def one(i):
+                mask = (examples == i).reshape(-1, *([1] * (g.ndim - 1)))
+                return pull(jnp.where(mask, g, 0).astype(g.dtype))[0]
 
-    return per_example
+            return jax.vmap(one)(examples)
+
+        return per_example
+
+    return linearize
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -218,12 +222,7 @@ def _rekey(stats: Any, params: Any) -> Any:
             return None
         return jax.tree_util.tree_map_with_path(lambda kp, _: flat.get(_format.path(kp)), params)
 
-    fields = ("diag_ggn", "diag_ggn_mc", "sum_grad_squared", "batch_l2", "variance")
-    return stats.__class__(
-        **{f: getattr(stats, f) for f in ("kflr", "kfac", "kfac_empirical")},
-        **{f: back(getattr(stats, f)) for f in fields},
-        layout=stats.layout,
-    )
+    return dataclasses.replace(stats, **{f: back(getattr(stats, f)) for f in DIAGONAL + FIRST_ORDER})
 
 
 def _leaf_paths(diff: list, nums: tuple[int, ...]) -> list[tuple[int, tuple]]:

@@ -23,9 +23,12 @@ arguments themselves, e.g. slices of a stacked weight under ``lax.scan``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 class Factors(NamedTuple):
@@ -63,6 +66,29 @@ class Layout:
     argnum: int = 0
     weight_leaf: tuple | None = None
     bias_leaf: tuple | None = None
+
+    def matrix_shape(self, w_shape: tuple[int, ...]) -> tuple[int, int]:
+        """``(in, out)`` of the weight leaf of shape ``w_shape`` as the K-FAC matrix."""
+        lead = w_shape[len(w_shape) - self.in_ndim :] if self.transpose else w_shape[: self.in_ndim]
+        n_in = math.prod(lead)
+        return n_in, math.prod(w_shape) // n_in
+
+    def to_matrix(self, w: jax.Array) -> jax.Array:
+        """The weight leaf as the ``(in, out)`` matrix."""
+        n_in, n_out = self.matrix_shape(tuple(w.shape))
+        return w.reshape(n_out, n_in).T if self.transpose else w.reshape(n_in, n_out)
+
+    def from_matrix(self, m: jax.Array, w_shape: tuple[int, ...]) -> jax.Array:
+        """An ``(in, out)`` matrix laid out as the weight leaf of shape ``w_shape``."""
+        return m.T.reshape(w_shape) if self.transpose else m.reshape(w_shape)
+
+
+def stats_dtype(dtype: Any) -> np.dtype:
+    """The dtype statistics and factors are computed in: the float dtype itself when it has at
+    least 32 bits, else float32 (half-precision layers). No promotion lattice: strict dtype
+    promotion has no path from float64 to float32."""
+    dtype = np.dtype(dtype)
+    return dtype if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4 else np.dtype(np.float32)
 
 
 @jax.tree_util.register_dataclass

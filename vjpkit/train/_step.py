@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .. import _autodiff, _host
+from .. import _autodiff, _capture, _host
 from .._errors import ConfigError
 from ..curvature import StatsSpec
 from ._state import TrainState
@@ -53,8 +53,7 @@ def _wants_key(loss_fn: Callable) -> bool:
 
 
 def _curvature_specs(capture: Any) -> list:
-    items = capture if type(capture) in (list, tuple) else [capture]  # specs are NamedTuples
-    return [c for c in items if isinstance(c, StatsSpec)]
+    return [c for c in _capture.items(capture) if isinstance(c, StatsSpec)]
 
 
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:
