@@ -133,23 +133,27 @@ def _rows_in(layout: Layout, x: jax.Array, w_shape: tuple[int, ...]) -> jax.Arra
 # --------------------------------------------------------------------------------------------
 
 
-def _factors(a: jax.Array, gs: jax.Array, n: int, bias: bool, conv: bool) -> Factors:
-    """Dense: ``A = (1/N) sum_rows [a,1][a,1]^T``, ``G = sum_seeds sum_rows g g^T``.
+def _a_factor(a: jax.Array, n: int, bias: bool, conv: bool) -> jax.Array:
+    """``A = (1/N) sum_rows [a,1][a,1]^T`` of a dense layer.
 
     Convolution (BackPACK's KFLR / KFAC for convolutions): ``A = (1/N) sum_{n,t} [a,c][a,c]^T``
-    over the ``T`` patches of each example with ``c = 1/sqrt(T)`` (the bias entry of ``A`` is 1),
-    ``G = sum_seeds sum_n (sum_t g_nt)(sum_t g_nt)^T``, each example's cotangents summed over the
-    output positions: ``kron(A, G)``'s weight and bias blocks are BackPACK's.
+    over the ``T`` patches of each example with ``c = 1/sqrt(T)`` (the bias entry of ``A`` is 1);
+    with ``_g_factor``'s ``G``, ``kron(A, G)``'s weight and bias blocks are BackPACK's.
     """
     t = a.shape[1]
     a = a.reshape(-1, a.shape[-1])
     if bias:
         c = 1 / math.sqrt(t) if conv else 1.0
         a = jnp.concatenate([a, jnp.full((a.shape[0], 1), c, a.dtype)], axis=1)
-    big_a = a.T @ a / n
+    return a.T @ a / n
+
+
+def _g_factor(gs: jax.Array, conv: bool) -> jax.Array:
+    """``G = sum_seeds sum_rows g g^T``; for a convolution each example's cotangents are first
+    summed over the output positions, ``G = sum_seeds sum_n (sum_t g_nt)(sum_t g_nt)^T``."""
     g = gs.sum(axis=-2) if conv else gs  # (..., N, T, out) -> (..., N, out) for a convolution
     g = g.reshape(-1, g.shape[-1])
-    return Factors(big_a, g.T @ g)
+    return g.T @ g
 
 
 def _per_example_sq(a: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -211,12 +215,14 @@ def layer_stats(
 
     bias, conv = layout.bias is not None, layout.kind == "conv"
     out: dict[str, Any] = {}
-    if "kflr" in which:
-        out["kflr"] = _factors(a, rows(exact), n, bias, conv)
-    if "kfac" in which:
-        out["kfac"] = _factors(a, rows(mc), n, bias, conv)
-    if "kfac_empirical" in which:
-        out["kfac_empirical"] = _factors(a, rows(d) * jnp.sqrt(jnp.asarray(n, dtype)), n, bias, conv)
+    if any(s in FACTORS for s in which):
+        big_a = _a_factor(a, n, bias, conv)  # one A for every K-FAC estimator asked for
+        seeds = {"kflr": exact, "kfac": mc, "kfac_empirical": d}
+        for name in (s for s in FACTORS if s in which):
+            g = rows(seeds[name])
+            if name == "kfac_empirical":  # each example's dL/dy carries the 1/N of the mean
+                g = g * jnp.sqrt(jnp.asarray(n, dtype))
+            out[name] = Factors(big_a, _g_factor(g, conv))
 
     def as_params(w_mat, b_vec):
         tree = {layout.weight: layout.from_matrix(w_mat, w_shape)}
