@@ -8,18 +8,20 @@ block of steps, and the reported figure is the median over rounds of the per-ste
 are medians of the per-round ratios, so slow drifts of the machine cancel out. It also runs
 ``per_example_bench.py``'s comparison of per-example gradient norms (``--no-per-example``
 skips it), ``eager_bench.py``'s eager-call comparison (eager hooked ``vk.grad`` against eager
-``jax.grad``, inner-jit traces, memory growth), and ``host_bench.py``'s host delivery (per-layer
-``vk.on_host`` hooks, ``every=100``, ``fit`` with ``on_records`` every step; ``--no-host`` skips it),
+``jax.grad``, inner-jit traces, memory growth; ``--no-eager`` skips it), and ``host_bench.py``'s
+host delivery (per-layer ``vk.on_host`` hooks, ``every=100``, ``fit`` with ``on_records`` every
+step; ``--no-host`` skips it),
 ``quickstart_bench.py``'s peak memory of the quickstart with and without its hooks
 (``--no-quickstart`` skips it), and ``plain_bench.py``'s plain-JAX models through vjpkit's
 matching (steps, per-example norms of a transformer block, trace-time matching; ``--no-plain``
 skips it), and ``curvature_bench.py``'s curvature statistics and K-FAC updates against a
-gradient step (``--no-curvature`` skips it).
+gradient step (``--no-curvature`` skips it; ``--no-kfac-jax`` only its kfac-jax part). The wall
+time of each part is in the JSON's ``meta["part_s"]``.
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
 [--compile-repeats 3] [--peers flax,equinox,torch] [--only-first-call] [--no-per-example]
-[--no-host] [--no-quickstart] [--no-plain] [--no-curvature] [--out PATH]``. What the
-rows, columns and memory figures are: ``benchmarks/README.md``.
+[--no-eager] [--no-host] [--no-quickstart] [--no-plain] [--no-curvature] [--no-kfac-jax]
+[--out PATH]``. What the rows, columns and memory figures are: ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -463,6 +465,8 @@ def main(argv=None):
     parser.add_argument(
         "--no-curvature", action="store_true", help="skip curvature_bench.py's curvature tables"
     )
+    parser.add_argument("--no-eager", action="store_true", help="skip eager_bench.py's eager-call comparison")
+    parser.add_argument("--no-kfac-jax", action="store_true", help="skip curvature_bench.py's kfac-jax part")
     parser.add_argument("--out", default=str(HERE / "results.json"))
     args = parser.parse_args(argv)
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
@@ -478,7 +482,7 @@ def main(argv=None):
     if only_first:  # PyTorch has no compilation; the other benchmarks time steady-state calls
         selected = [p for p in selected if p != "torch"]
         args.no_per_example = args.no_host = args.no_quickstart = args.no_plain = True
-        args.no_curvature = True
+        args.no_curvature = args.no_eager = True
     threads = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start, cpu_before = time.perf_counter(), cpu_times()
@@ -493,16 +497,32 @@ def main(argv=None):
     finally:
         if torch_client is not None:
             torch_client.close()
-    pex = None if args.no_per_example else per_example(args.quick)
-    eager = None if only_first else eager_bench.run(args.quick)
-    host = None
-    if not args.no_host:
+    part_s = {"models": time.perf_counter() - start}
+
+    def part(name, skip, fn):  # one benchmark part, or None when skipped; its wall time in part_s
+        if skip:
+            return None
+        t0 = time.perf_counter()
+        out = fn()
+        part_s[name] = time.perf_counter() - t0
+        return out
+
+    pex = part("per_example", args.no_per_example, lambda: per_example(args.quick))
+    eager = part("eager", only_first or args.no_eager, lambda: eager_bench.run(args.quick))
+
+    def host_run():
         import host_bench  # here: it imports fit_bench, which imports this module
 
-        host = host_bench.run(args.quick, keys)
-    quick_mem = None if args.no_quickstart else quickstart_bench.run(args.quick)
-    plain = None if args.no_plain else plain_bench.run(args.quick)
-    curvature = None if args.no_curvature else curvature_bench.run(args.quick)
+        return host_bench.run(args.quick, keys)
+
+    host = part("host", args.no_host, host_run)
+    quick_mem = part("quickstart", args.no_quickstart, lambda: quickstart_bench.run(args.quick))
+    plain = part("plain", args.no_plain, lambda: plain_bench.run(args.quick))
+    curvature = part(
+        "curvature",
+        args.no_curvature,
+        lambda: curvature_bench.run(args.quick, kfac_jax=not args.no_kfac_jax),
+    )
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -520,6 +540,7 @@ def main(argv=None):
         "only_first_call": only_first,
         "peers": selected,
         "wall_s": time.perf_counter() - start,
+        "part_s": part_s,
     }
     out = {
         "meta": meta,
@@ -544,6 +565,8 @@ def main(argv=None):
     if eager is not None:
         print(eager_bench.markdown(eager))
     if host is not None:
+        import host_bench
+
         print(host_bench.markdown(host))
     if quick_mem is not None:
         print(quickstart_bench.markdown(quick_mem))

@@ -198,6 +198,8 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
         "--no-host",
         "--no-quickstart",
         "--no-plain",
+        "--no-eager",
+        "--no-curvature",
         env=env,
     )
     rows = {row["variant"]: row for row in data["results"][0]["rows"]}
@@ -207,7 +209,8 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
     for name in ["Equinox", *TORCH_ROWS]:
         assert rows[name]["status"].startswith("skipped: ImportError: simulated: no ")
     assert all(rows[name]["status"] == "ok" for name in JAX_ROWS)
-    assert data["per_example"] is None and data["plain"] is None
+    for part in ("per_example", "eager", "host", "quickstart", "plain", "curvature"):
+        assert data[part] is None, part
     assert "| Equinox | skipped: ImportError" in stdout
 
 
