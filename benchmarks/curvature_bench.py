@@ -90,6 +90,14 @@ def _setup(key):
     return title, loss, params, x, y
 
 
+def _flops(jitted, *args, **kwargs):
+    """XLA's count of the floating-point operations of one call (its cost analysis; custom calls
+    such as LAPACK's eigendecomposition count 0), or None."""
+    ca = jitted.lower(*args, **kwargs).compile().cost_analysis()
+    ca = (ca[0] if ca else {}) if isinstance(ca, list) else (ca or {})
+    return ca.get("flops") or None
+
+
 def _block(fn, args, n):
     out = None
     start = time.perf_counter()
@@ -129,6 +137,7 @@ def _optimizer_rows(loss, params, x, y, captured):
                 p, s = one(p, s, k)
             return p, s
 
+        run.flops = lambda p, s, key: _flops(one, p, s, key)  # of one step
         return run
 
     sgd = optax.sgd(0.01, momentum=0.9)
@@ -156,14 +165,18 @@ def bench_model(key, rounds, block, rng):
     title, loss, params, x, y = _setup(key)
     rows = {"value_and_grad": (jax.jit(jax.value_and_grad(loss)), (params, x, y))}
     k = jax.random.key(1)
+    flops = {"value_and_grad": _flops(rows["value_and_grad"][0], params, x, y)}
     for stat in STATS:
         f = jax.jit(vk.value_and_grad(loss, capture=vk.curvature.stats("*", [stat])))
         rows[stat] = (lambda p, x, y, f=f: f(p, x, y, key=k), (params, x, y))
+        flops[stat] = _flops(f, params, x, y, key=k)
     _, captured = jax.jit(vk.value_and_grad(loss, capture=vk.curvature.stats("*", ["kfac"])))(
         params, x, y, key=k
     )
     opt_rows = _optimizer_rows(loss, params, x, y, captured)
     rows.update(opt_rows)
+    for name, (fn, args) in opt_rows.items():
+        flops[name] = fn.flops(*args)
     for fn, args in rows.values():  # compile and warm up
         jax.block_until_ready(fn(*args))
         jax.block_until_ready(fn(*args))
@@ -191,6 +204,8 @@ def bench_model(key, rounds, block, rng):
                 "row": name,
                 "median_ms": 1e3 * statistics.median(times[name]),
                 "ratio": r,
+                # the same ratio in XLA's counted flops: the arithmetic the row cannot do without
+                "flops_ratio": flops[name] / flops[base] if flops[name] and flops[base] else None,
                 "against": base,
                 "target": limit,
                 "met": None if limit is None else r <= limit,
@@ -263,17 +278,23 @@ def markdown(res: dict) -> str:
     lines = [
         f"### Curvature statistics (jax {res['jax']}, medians of {res['rounds']} interleaved rounds)",
         "",
-        "| model | row | median ms | ratio | against | target | met |",
-        "|---|---|---:|---:|---|---:|---|",
+        "| model | row | median ms | ratio | flops ratio | against | target | met |",
+        "|---|---|---:|---:|---:|---|---:|---|",
     ]
     for m in res["models"]:
         for r in m["rows"]:
             target = "" if r["target"] is None else f"<= {r['target']:g}"
             met = "" if r["met"] is None else ("met" if r["met"] else "NOT met")
+            fr = "" if r.get("flops_ratio") is None else f"{r['flops_ratio']:.2f}"
             lines.append(
-                f"| {m['title']} | {r['row']} | {r['median_ms']:.2f} | {r['ratio']:.2f} | "
+                f"| {m['title']} | {r['row']} | {r['median_ms']:.2f} | {r['ratio']:.2f} | {fr} | "
                 f"{r['against']} | {target} | {met} |"
             )
+    lines += [
+        "",
+        "flops ratio: XLA's cost analysis of the row's compiled call over the baseline's (the "
+        "arithmetic; LAPACK's eigendecomposition is a custom call XLA counts as 0).",
+    ]
     lines += _kfac_jax_markdown(res.get("kfac_jax"))
     return "\n".join(lines)
 
