@@ -595,10 +595,11 @@ class _Materialized(_Leaf):
 class _DenseWeight(_Leaf):
     """``g_i = X_i^T D_i`` with ``X_i (T, in)``, ``D_i (T, out)``: never formed when ``T == 1``."""
 
-    def __init__(self, x: jax.Array, d: jax.Array, batch_grad: jax.Array | None, check: bool):
+    def __init__(
+        self, x: jax.Array, d: jax.Array, batch_grad: jax.Array | None, check: bool, norms: bool = True
+    ):
         self.x, self.d = x, d
-        self.x_sq, self.d_sq = jnp.sum(jnp.square(x), axis=2), jnp.sum(jnp.square(d), axis=2)  # (B, T)
-        self._g = None
+        self._g = self._grams = None
         t, n_in, n_out = x.shape[1], x.shape[2], d.shape[2]
         self.ghost = t == 1 or t * t <= n_in * n_out
         if check and batch_grad is not None:
@@ -607,8 +608,14 @@ class _DenseWeight(_Leaf):
             rng = np.random.default_rng(n_out)
             r = jnp.asarray(rng.standard_normal(n_out), jnp.float32)
             u = batch_grad.astype(jnp.float32) @ r
-            v = jnp.einsum("btd,bt->d", x, d @ r)
-            bound = jnp.sum(jnp.sqrt(self.x_sq * self.d_sq)) * jnp.sqrt(jnp.sum(jnp.square(r)))
+            # (d r) x over the flattened rows: a vector-matrix product streaming x in its own
+            # layout (an einsum over (b, t) made XLA copy x and d into a transposed layout)
+            v = (d.reshape(-1, n_out) @ r) @ x.reshape(-1, n_in)
+            if norms and self.ghost and t > 1:  # |x_bt|^2, |d_bt|^2: the ghost norm's Gram diagonals
+                x_sq, d_sq = (jnp.diagonal(g, axis1=1, axis2=2) for g in self.grams())
+            else:
+                x_sq, d_sq = jnp.sum(jnp.square(x), axis=2), jnp.sum(jnp.square(d), axis=2)
+            bound = jnp.sum(jnp.sqrt(x_sq * d_sq)) * jnp.sqrt(jnp.sum(jnp.square(r)))
             self.ok = _check(u, v, bound, _tol(batch_grad.dtype))
 
     def g(self):
@@ -616,12 +623,20 @@ class _DenseWeight(_Leaf):
             self._g = jnp.einsum("btd,bte->bde", self.x, self.d)
         return self._g
 
+    def grams(self):
+        """Per example, ``X_i X_i^T`` and ``D_i D_i^T``, each ``(B, T, T)``."""
+        if self._grams is None:
+            self._grams = (
+                jnp.einsum("btd,bsd->bts", self.x, self.x),
+                jnp.einsum("bte,bse->bts", self.d, self.d),
+            )
+        return self._grams
+
     def sq_norms(self):
         if self.x.shape[1] == 1:
-            out = self.x_sq[:, 0] * self.d_sq[:, 0]
+            out = jnp.sum(jnp.square(self.x[:, 0]), -1) * jnp.sum(jnp.square(self.d[:, 0]), -1)
         elif self.ghost:
-            gram_x = jnp.einsum("btd,bsd->bts", self.x, self.x)
-            gram_d = jnp.einsum("bte,bse->bts", self.d, self.d)
+            gram_x, gram_d = self.grams()
             out = jnp.sum(gram_x * gram_d, axis=(1, 2))
         else:
             out = jnp.sum(jnp.square(self.g()), axis=(1, 2))
@@ -733,11 +748,14 @@ def analyze(
     conv: dict | None = None,
     select: Callable[[str], bool] | None = None,
     capture_fields: Sequence[str] = ("input", "grad_output"),
+    norms: bool = True,
 ) -> Analysis:
     """Runs the loss once (forward, one backward) and sets up each leaf's per-example gradients.
 
     ``select(layer name)`` limits the per-example work to the leaves of some layers (the others,
     and leaves used by no layer, get ``None``); all leaves are analysed when it is ``None``.
+    ``norms=False`` says the caller reads no per-example norm (only ``sum_sq``): the dense
+    consistency check then bounds its rounding without the ghost norm's Gram matrices.
     """
     batch_size = _batch_size(batch, who)
     flat_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -892,7 +910,7 @@ def analyze(
                 agg_2d = scaled(agg)
                 agg_2d = agg_2d.reshape(d.shape[-1], x.shape[-1]).T if fk and fk.transpose else agg_2d
                 agg_2d = agg_2d.reshape(x.shape[-1], d.shape[-1])
-            leaf = _DenseWeight(x, d, agg_2d, check)
+            leaf = _DenseWeight(x, d, agg_2d, check, norms)
             if fk is not None and (fk.transpose or n_in_axes > 1 or lead + 1 < ds[0].ndim):
                 leaf = _Reshaped(leaf, tuple(grad_leaves[i].shape), fk.transpose)
             leaves.append(leaf)
