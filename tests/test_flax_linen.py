@@ -124,7 +124,7 @@ class SeqModel(nn.Module):
 
 
 def _per_example_ref(loss_one, params, *batch):
-    per = jax.vmap(jax.grad(loss_one), in_axes=(None, *[0] * len(batch)))(params, *batch)
+    per = jax.jit(jax.vmap(jax.grad(loss_one), in_axes=(None, *[0] * len(batch))))(params, *batch)
     sq = sum(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1) for g in jax.tree.leaves(per))
     return per, jnp.sqrt(sq)
 
@@ -147,7 +147,7 @@ def test_per_example_norms_fast_paths_equal_vmap_grad(maybe_jit):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no vmap(grad) fallback for these layer kinds
         _, grads, norms = maybe_jit(vk.inspect.per_example_grad_norms(loss))(params, ids, y)
-    tree_allclose(grads, jax.grad(loss)(params, ids, y), rtol=1e-5, atol=1e-6)
+    tree_allclose(grads, jax.jit(jax.grad(loss))(params, ids, y), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(norms.total, total, rtol=1e-5, atol=1e-6)
     ref_leaves = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), 1)), per)
     tree_allclose(norms.params, ref_leaves, rtol=1e-5, atol=1e-6)

@@ -57,6 +57,6 @@ def test_flax_transformer_example_learns(tmp_path, capsys):
     assert {"block_0/attn/query", "block_1/mlp/fc", "block_1/attn/out"} <= keys
     # per-example norms equal vmap(grad) of the per-example loss
     loss_fn, params, batch = out["loss_fn"], out["state"].params, out["test"][:16]
-    per = jax.vmap(jax.grad(lambda p, t: loss_fn(p, t[None])), in_axes=(None, 0))(params, batch)
+    per = jax.jit(jax.vmap(jax.grad(lambda p, t: loss_fn(p, t[None])), in_axes=(None, 0)))(params, batch)
     sq = sum(np.sum(np.square(g).reshape(g.shape[0], -1), 1) for g in jax.tree.leaves(per))
     np.testing.assert_allclose(out["norms"].total, np.sqrt(sq), rtol=1e-4, atol=1e-6)

@@ -211,7 +211,7 @@ def _hessian_loss(spec: Spec, p, x) -> Callable:
 
 def test_jacfwd_jacrev_input(spec, maybe_jit):
     p, x = _params(spec), _normal(1, spec.example_shape)
-    ref_jac = jax.jacrev(spec.ref, argnums=1)(p, x)
+    ref_jac = jax.jit(jax.jacrev(spec.ref, argnums=1))(p, x)  # references: jitted (plain JAX)
     assert float(jnp.abs(ref_jac).max()) > 0
     tree_allclose(maybe_jit(jax.jacfwd(spec.model.apply, argnums=1))(p, x), ref_jac, **TOL)
     tree_allclose(maybe_jit(jax.jacrev(spec.model.apply, argnums=1))(p, x), ref_jac, **TOL)
@@ -221,7 +221,7 @@ def test_hessian_input(spec, maybe_jit):
     p, x = _params(spec), _normal(1, spec.example_shape)
     loss = _hessian_loss(spec, p, x)
     hess = maybe_jit(jax.hessian(loss(spec.model.apply), argnums=1))(p, x)
-    tree_allclose(hess, jax.hessian(loss(spec.ref), argnums=1)(p, x), **TOL)
+    tree_allclose(hess, jax.jit(jax.hessian(loss(spec.ref), argnums=1))(p, x), **TOL)
     flat = np.asarray(hess).reshape(x.size, x.size)
     assert np.abs(flat).max() > 1e-3  # non-trivial, thanks to tanh
     np.testing.assert_allclose(flat, flat.T, rtol=1e-4, atol=1e-5)
@@ -230,23 +230,23 @@ def test_hessian_input(spec, maybe_jit):
 @pytest.mark.slow  # eager jacfwd/hessian over ~100 parameters dispatches op by op: several seconds
 def test_jacobians_and_hessian_params(spec, maybe_jit):
     p, x = _params(spec), _normal(1, spec.example_shape)
-    ref_jac = jax.jacrev(spec.ref, argnums=0)(p, x)
+    ref_jac = jax.jit(jax.jacrev(spec.ref, argnums=0))(p, x)
     tree_allclose(maybe_jit(jax.jacfwd(spec.model.apply, argnums=0))(p, x), ref_jac, **TOL)
     tree_allclose(maybe_jit(jax.jacrev(spec.model.apply, argnums=0))(p, x), ref_jac, **TOL)
     loss = _hessian_loss(spec, p, x)
     hess = maybe_jit(jax.hessian(loss(spec.model.apply), argnums=0))(p, x)
-    tree_allclose(hess, jax.hessian(loss(spec.ref), argnums=0)(p, x), **TOL)
+    tree_allclose(hess, jax.jit(jax.hessian(loss(spec.ref), argnums=0))(p, x), **TOL)
 
 
 def test_vmap(spec, maybe_jit):
     p, xs = _params(spec), _batch(spec, 3)
-    ref = jax.vmap(spec.ref, in_axes=(None, 0))(p, xs)
+    ref = jax.jit(jax.vmap(spec.ref, in_axes=(None, 0)))(p, xs)
     tree_allclose(maybe_jit(jax.vmap(spec.model.apply, in_axes=(None, 0)))(p, xs), ref, **TOL)
     # over a stack of parameter sets (an ensemble)
     ps = jax.tree.map(lambda *a: jnp.stack(a), *[_params(spec, seed) for seed in (10, 30, 60)])
     x = xs[0]
     ens = maybe_jit(jax.vmap(spec.model.apply, in_axes=(0, None)))(ps, x)
-    tree_allclose(ens, jax.vmap(spec.ref, in_axes=(0, None))(ps, x), **TOL)
+    tree_allclose(ens, jax.jit(jax.vmap(spec.ref, in_axes=(0, None)))(ps, x), **TOL)
     # per-example gradients
     ys = _normal(4, (3, *ref.shape[1:]))
 
@@ -254,7 +254,8 @@ def test_vmap(spec, maybe_jit):
         return lambda p, x, y: jnp.sum((apply(p, x) - y) ** 2)
 
     per_example = maybe_jit(jax.vmap(jax.grad(loss(spec.model.apply)), in_axes=(None, 0, 0)))(p, xs, ys)
-    tree_allclose(per_example, jax.vmap(jax.grad(loss(spec.ref)), in_axes=(None, 0, 0))(p, xs, ys), **TOL)
+    ref_grads = jax.jit(jax.vmap(jax.grad(loss(spec.ref)), in_axes=(None, 0, 0)))(p, xs, ys)
+    tree_allclose(per_example, ref_grads, **TOL)
 
 
 def test_scan(spec, maybe_jit):

@@ -758,7 +758,7 @@ def test_per_example_fast_paths_match_vmap_grad(maybe_jit):
     assert sorted(norms.layers) == sorted(
         ["conv", "rms", "attn/q", "attn/k", "attn/v", "attn/out", "bn", "head"]
     )
-    tree_allclose(grads, jax.grad(loss)(params, x, y), rtol=RTOL, atol=ATOL)
+    tree_allclose(grads, jax.jit(jax.grad(loss))(params, x, y), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -852,8 +852,10 @@ def test_plain_transforms_and_vk_jvp_on_a_stack(maybe_jit):
     # batch norm in eval mode and attention with a padding mask are per-example: vmap agrees
     one = lambda xi, mi: model.apply(params, xi[None], mask=mi[None])[0]
     tree_allclose(maybe_jit(jax.vmap(one))(x, mask), y, rtol=RTOL, atol=ATOL)
-    hvp = vk.hvp(lambda p: jnp.sum(f(p, x) ** 2), (params,), t)
-    expected = jax.jvp(jax.grad(lambda p: jnp.sum(f(p, x) ** 2)), (params,), (t,))[1]
+    hvp = maybe_jit(lambda p, t: vk.hvp(lambda p: jnp.sum(f(p, x) ** 2), (p,), t))(params, t)
+    expected = jax.jit(lambda p, t: jax.jvp(jax.grad(lambda p: jnp.sum(f(p, x) ** 2)), (p,), (t,))[1])(
+        params, t
+    )
     tree_allclose(hvp, expected, rtol=1e-4, atol=1e-4)
 
 
