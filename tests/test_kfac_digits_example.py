@@ -71,6 +71,7 @@ def test_first_kfac_step_equals_the_hand_chained_pieces(module, kind):
     key = jax.random.split(jax.random.PRNGKey(3))[1]  # the key make_step draws for its first step
     (loss, grads), curvature = jax.jit(vk.value_and_grad(loss_fn, capture=spec))(params, batch, key=key)
     assert sorted(curvature) == sorted(k for k in curvature if k.startswith(("fc", "conv")))
-    updates, _ = opt.update(grads, opt.init(params), params, curvature=curvature)
+    # the update by hand, jitted (eagerly, its eigendecompositions dispatch op by op)
+    updates, _ = jax.jit(lambda g, p, c: opt.update(g, opt.init(p), p, curvature=c))(grads, params, curvature)
     tree_allclose(state.params, optax.apply_updates(params, updates), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
