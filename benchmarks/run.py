@@ -14,14 +14,15 @@ step; ``--no-host`` skips it),
 ``quickstart_bench.py``'s peak memory of the quickstart with and without its hooks
 (``--no-quickstart`` skips it), and ``plain_bench.py``'s plain-JAX models through vjpkit's
 matching (steps, per-example norms of a transformer block, trace-time matching; ``--no-plain``
-skips it), and ``curvature_bench.py``'s curvature statistics and K-FAC updates against a
-gradient step (``--no-curvature`` skips it; ``--no-kfac-jax`` only its kfac-jax part). The wall
-time of each part is in the JSON's ``meta["part_s"]``.
+skips it, ``--plain-parts`` picks some), and ``curvature_bench.py``'s curvature statistics and
+K-FAC updates against a gradient step (``--no-curvature`` skips it; ``--no-kfac-jax`` only its
+kfac-jax part). The wall time of each part is in the JSON's ``meta["part_s"]``.
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
 [--compile-repeats 3] [--peers flax,equinox,torch] [--only-first-call] [--no-per-example]
-[--no-eager] [--no-host] [--no-quickstart] [--no-plain] [--no-curvature] [--no-kfac-jax]
-[--out PATH]``. What the rows, columns and memory figures are: ``benchmarks/README.md``.
+[--no-eager] [--no-host] [--no-quickstart] [--no-plain] [--plain-parts steps,per_example,trace]
+[--no-curvature] [--no-kfac-jax] [--out PATH]``. What the rows, columns and memory figures are:
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations
@@ -463,6 +464,11 @@ def main(argv=None):
         "--no-plain", action="store_true", help="skip plain_bench.py's plain-JAX (matching) tables"
     )
     parser.add_argument(
+        "--plain-parts",
+        default=",".join(plain_bench.PARTS),
+        help=f"plain_bench.py's parts to run, comma-separated, of {plain_bench.PARTS}",
+    )
+    parser.add_argument(
         "--no-curvature", action="store_true", help="skip curvature_bench.py's curvature tables"
     )
     parser.add_argument("--no-eager", action="store_true", help="skip eager_bench.py's eager-call comparison")
@@ -471,6 +477,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
     repeats = 1 if args.quick else args.compile_repeats
+    plain_parts = tuple(p for p in plain_bench.PARTS if p in args.plain_parts.split(","))
+    if set(args.plain_parts.split(",")) - set(plain_parts):
+        parser.error(f"unknown --plain-parts {args.plain_parts!r}; choose from {plain_bench.PARTS}")
     keys = [k for k in args.models.split(",") if k]
     unknown = [k for k in keys if k not in MODELS]
     if unknown:
@@ -517,7 +526,7 @@ def main(argv=None):
 
     host = part("host", args.no_host, host_run)
     quick_mem = part("quickstart", args.no_quickstart, lambda: quickstart_bench.run(args.quick))
-    plain = part("plain", args.no_plain, lambda: plain_bench.run(args.quick))
+    plain = part("plain", args.no_plain, lambda: plain_bench.run(args.quick, parts=plain_parts))
     curvature = part(
         "curvature",
         args.no_curvature,
