@@ -90,10 +90,10 @@ def _setup(key):
     return title, loss, params, x, y
 
 
-def _flops(jitted, *args, **kwargs):
-    """XLA's count of the floating-point operations of one call (its cost analysis; custom calls
-    such as LAPACK's eigendecomposition count 0), or None."""
-    ca = jitted.lower(*args, **kwargs).compile().cost_analysis()
+def _flops(compiled):
+    """XLA's count of the floating-point operations of one call of a compiled function (its cost
+    analysis; custom calls such as LAPACK's eigendecomposition count 0), or None."""
+    ca = compiled.cost_analysis()
     ca = (ca[0] if ca else {}) if isinstance(ca, list) else (ca or {})
     return ca.get("flops") or None
 
@@ -119,7 +119,9 @@ def _optimizer_rows(loss, params, x, y, captured):
     spec = vk.curvature.stats("*", ["kfac"])
     with_stats = vk.value_and_grad(loss, capture=spec)
 
-    def steps(update, stats):
+    key = jax.random.key(2)
+
+    def steps(update, stats, state):
         # params and state donated, as vk.train.fit's step does: the state's factors and inverses
         # (a CNN's fc block: 1569 x 1569 floats each) are then updated in place, not copied
         @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -131,19 +133,19 @@ def _optimizer_rows(loss, params, x, y, captured):
             u, s = update(g, s, p, c)
             return optax.apply_updates(p, u), s
 
+        compiled = one.lower(params, state, key).compile()  # once: the timing and the flops
+
         def run(p, s, key):  # a Python loop of jitted steps: XLA:CPU runs convolutions slowly in scan
             p, s = jax.tree.map(jnp.copy, (p, s))  # the steps donate them: the row's arguments stay
             for k in jax.random.split(key, OPT_STEPS):
-                p, s = one(p, s, k)
+                p, s = compiled(p, s, k)
             return p, s
 
-        run.flops = lambda p, s, key: _flops(one, p, s, key)  # of one step
-        return run
+        run.flops = _flops(compiled)  # of one step
+        return run, (params, state, key)
 
     sgd = optax.sgd(0.01, momentum=0.9)
-    key = jax.random.key(2)
-    sgd_step = steps(lambda g, s, p, c: sgd.update(g, s, p), False)
-    rows = {"sgd step": (sgd_step, (params, sgd.init(params), key))}
+    rows = {"sgd step": steps(lambda g, s, p, c: sgd.update(g, s, p), False, sgd.init(params))}
     for name, kw, stats in (
         ("kfac step, cached inverses", dict(update_every=10**9), False),
         ("kfac step, statistics + eigh every 20", dict(update_every=OPT_STEPS, solver="eigh"), True),
@@ -157,26 +159,27 @@ def _optimizer_rows(loss, params, x, y, captured):
         def update(g, s, p, c, opt=opt):
             return opt.update(g, s, p, curvature=c)
 
-        rows[name] = (steps(update, stats), (params, state, key))
+        rows[name] = steps(update, stats, state)
     return rows
 
 
 def bench_model(key, rounds, block, rng):
     title, loss, params, x, y = _setup(key)
-    rows = {"value_and_grad": (jax.jit(jax.value_and_grad(loss)), (params, x, y))}
+    # each row compiled once (lower + compile), for its timing and XLA's count of its flops
+    base = jax.jit(jax.value_and_grad(loss)).lower(params, x, y).compile()
+    rows = {"value_and_grad": (base, (params, x, y))}
+    flops = {"value_and_grad": _flops(base)}
     k = jax.random.key(1)
-    flops = {"value_and_grad": _flops(rows["value_and_grad"][0], params, x, y)}
     for stat in STATS:
         f = jax.jit(vk.value_and_grad(loss, capture=vk.curvature.stats("*", [stat])))
+        f = f.lower(params, x, y, key=k).compile()
         rows[stat] = (lambda p, x, y, f=f: f(p, x, y, key=k), (params, x, y))
-        flops[stat] = _flops(f, params, x, y, key=k)
-    _, captured = jax.jit(vk.value_and_grad(loss, capture=vk.curvature.stats("*", ["kfac"])))(
-        params, x, y, key=k
-    )
+        flops[stat] = _flops(f)
+    _, captured = rows["kfac"][0](params, x, y)
     opt_rows = _optimizer_rows(loss, params, x, y, captured)
     rows.update(opt_rows)
-    for name, (fn, args) in opt_rows.items():
-        flops[name] = fn.flops(*args)
+    for name, (fn, _) in opt_rows.items():
+        flops[name] = fn.flops
     for fn, args in rows.values():  # compile and warm up
         jax.block_until_ready(fn(*args))
         jax.block_until_ready(fn(*args))

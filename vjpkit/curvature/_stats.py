@@ -169,6 +169,8 @@ def _per_example_sq(a: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
         return (acc[0] + jnp.sum(jnp.square(j), axis=0), acc[1] + jnp.sum(jnp.square(g.sum(1)), axis=0)), None
 
     zero = (jnp.zeros((a.shape[-1], gs.shape[-1]), a.dtype), jnp.zeros((gs.shape[-1],), a.dtype))
+    if gs.shape[0] == 1:  # one seed (a Monte-Carlo sample, the gradient): no loop around it
+        return body(zero, gs[0])[0]
     return lax.scan(body, zero, gs)[0]
 
 
@@ -299,6 +301,8 @@ def local_stats(
             return jax.tree.map(lambda a, p: a + jnp.sum(jnp.square(p.astype(dtype)), axis=0), acc, pe), None
 
         zero = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
+        if seeds.shape[0] == 1:  # one seed: no loop around it
+            return body(zero, seeds[0])[0]
         return lax.scan(body, zero, seeds)[0]
 
     out: dict[str, Any] = {}
