@@ -165,8 +165,11 @@ def _per_example_sq(a: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
         return w, jnp.sum(jnp.square(gs[:, :, 0]), axis=(0, 1))
 
     def body(acc, g):  # one seed at a time: N * in * out floats live
-        j = jnp.einsum("nti,ntj->nij", a, g)
-        return (acc[0] + jnp.sum(jnp.square(j), axis=0), acc[1] + jnp.sum(jnp.square(g.sum(1)), axis=0)), None
+        if a.shape[-1] > g.shape[-1]:  # the wider feature axis minor: XLA:CPU's batched products
+            sq = jnp.sum(jnp.square(jnp.einsum("ntj,nti->nji", g, a)), axis=0).T  # are faster so
+        else:
+            sq = jnp.sum(jnp.square(jnp.einsum("nti,ntj->nij", a, g)), axis=0)
+        return (acc[0] + sq, acc[1] + jnp.sum(jnp.square(g.sum(1)), axis=0)), None
 
     zero = (jnp.zeros((a.shape[-1], gs.shape[-1]), a.dtype), jnp.zeros((gs.shape[-1],), a.dtype))
     if gs.shape[0] == 1:  # one seed (a Monte-Carlo sample, the gradient): no loop around it
