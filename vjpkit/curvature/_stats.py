@@ -156,6 +156,14 @@ def _g_factor(gs: jax.Array, conv: bool) -> jax.Array:
     return g.T @ g
 
 
+def _over_seeds(body, zero, seeds: jax.Array) -> Any:
+    """``body``'s accumulation over the seeds on axis 0, one at a time (a ``lax.scan``); one seed
+    (a Monte-Carlo sample, the gradient) without a loop around it."""
+    if seeds.shape[0] == 1:
+        return body(zero, seeds[0])[0]
+    return lax.scan(body, zero, seeds)[0]
+
+
 def _per_example_sq(a: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Over seeds ``k`` and examples ``n``: ``sum (J_kn)^2`` of the weight matrix ``(in, out)``
     and of the bias ``(out,)``, where ``J_kn = sum_t a_nt g_knt^T``. ``a (N, T, in)``,
@@ -165,16 +173,15 @@ def _per_example_sq(a: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
         return w, jnp.sum(jnp.square(gs[:, :, 0]), axis=(0, 1))
 
     def body(acc, g):  # one seed at a time: N * in * out floats live
-        if a.shape[-1] > g.shape[-1]:  # the wider feature axis minor: XLA:CPU's batched products
-            sq = jnp.sum(jnp.square(jnp.einsum("ntj,nti->nji", g, a)), axis=0).T  # are faster so
+        # the wider feature axis minor (last): XLA:CPU's batched products are faster so
+        if a.shape[-1] > g.shape[-1]:
+            sq = jnp.sum(jnp.square(jnp.einsum("ntj,nti->nji", g, a)), axis=0).T
         else:
             sq = jnp.sum(jnp.square(jnp.einsum("nti,ntj->nij", a, g)), axis=0)
         return (acc[0] + sq, acc[1] + jnp.sum(jnp.square(g.sum(1)), axis=0)), None
 
     zero = (jnp.zeros((a.shape[-1], gs.shape[-1]), a.dtype), jnp.zeros((gs.shape[-1],), a.dtype))
-    if gs.shape[0] == 1:  # one seed (a Monte-Carlo sample, the gradient): no loop around it
-        return body(zero, gs[0])[0]
-    return lax.scan(body, zero, gs)[0]
+    return _over_seeds(body, zero, gs)
 
 
 def _batch_sq_norms(a: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -304,9 +311,7 @@ def local_stats(
             return jax.tree.map(lambda a, p: a + jnp.sum(jnp.square(p.astype(dtype)), axis=0), acc, pe), None
 
         zero = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
-        if seeds.shape[0] == 1:  # one seed: no loop around it
-            return body(zero, seeds[0])[0]
-        return lax.scan(body, zero, seeds)[0]
+        return _over_seeds(body, zero, seeds)
 
     out: dict[str, Any] = {}
     if "diag_ggn" in which:
