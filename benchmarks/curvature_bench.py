@@ -12,6 +12,9 @@ median over rounds of the per-round ratio to the gradient row:
 * ``kfac_empirical``: the empirical Fisher factors from the gradient's own backward pass;
   targets <= 1.6x (MLP), <= 2.2x (CNN);
 * ``kflr``: the exact-GGN factors (C = 10 extra backward passes, no target);
+* MLP only, ``kfac, hand-written jnp floor`` and ``kfac_empirical, hand-written jnp floor``:
+  ``kfac_floor.py``'s plain-``jnp`` loss, gradient and the same factors with only the products
+  the estimator needs (no target: what any JAX implementation pays, beside vjpkit's rows);
 * ``diag_ggn``: the exact diagonal GGN, target <= 1.3 x C; ``diag_ggn_mc``: one sample, <= 2x;
 * whole jitted training steps (gradient, update, ``optax.apply_updates``), 20 per timed call
   with the state threaded, against an ``optax.sgd`` (momentum 0.9) step: a K-FAC preconditioning step with
@@ -56,6 +59,7 @@ import optax
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import kfac_floor  # noqa: E402
 import kfac_jax_env  # noqa: E402
 import models  # noqa: E402
 
@@ -77,6 +81,7 @@ STATS = ("kfac", "kfac_empirical", "kflr", "diag_ggn", "diag_ggn_mc")
 KFAC_JAX_TARGET = 0.8  # vjpkit's kfac row time / kfac-jax's fused value_and_grad + curvature
 KFAC_JAX_FUSED = "fused value_and_grad + curvature update"
 CLASSES = 10
+FLOOR = "{}, hand-written jnp floor"  # benchmarks/kfac_floor.py: the same factors, no vjpkit
 
 
 def _setup(key):
@@ -124,8 +129,10 @@ def _optimizer_rows(loss, params, x, y, captured):
     def steps(update, stats, state):
         # params and state donated, as vk.train.fit's step does: the state's factors and inverses
         # (a CNN's fc block: 1569 x 1569 floats each) are then updated in place, not copied
+        # the batch is an argument, not a closed-over constant: XLA would otherwise fold the
+        # first layer's A = x^T x into the program at compile time, and the row would not pay it
         @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def one(p, s, k):
+        def one(p, s, k, x, y):
             if stats:
                 (_, g), c = with_stats(p, x, y, key=k)
             else:
@@ -133,12 +140,12 @@ def _optimizer_rows(loss, params, x, y, captured):
             u, s = update(g, s, p, c)
             return optax.apply_updates(p, u), s
 
-        compiled = one.lower(params, state, key).compile()  # once: the timing and the flops
+        compiled = one.lower(params, state, key, x, y).compile()  # once: timing and flops
 
         def run(p, s, key):  # a Python loop of jitted steps: XLA:CPU runs convolutions slowly in scan
             p, s = jax.tree.map(jnp.copy, (p, s))  # the steps donate them: the row's arguments stay
             for k in jax.random.split(key, OPT_STEPS):
-                p, s = compiled(p, s, k)
+                p, s = compiled(p, s, k, x, y)
             return p, s
 
         run.flops = _flops(compiled)  # of one step
@@ -175,6 +182,11 @@ def bench_model(key, rounds, block, rng):
         f = f.lower(params, x, y, key=k).compile()
         rows[stat] = (lambda p, x, y, f=f: f(p, x, y, key=k), (params, x, y))
         flops[stat] = _flops(f)
+    if key == "mlp_mnist":  # the same factors, hand-written: what any JAX implementation pays
+        for stat, fkey in (("kfac", k), ("kfac_empirical", None)):
+            f = jax.jit(functools.partial(kfac_floor.kfac, key=fkey)).lower(params, x, y).compile()
+            rows[FLOOR.format(stat)] = (f, (params, x, y))
+            flops[FLOOR.format(stat)] = _flops(f)
     _, captured = rows["kfac"][0](params, x, y)
     opt_rows = _optimizer_rows(loss, params, x, y, captured)
     rows.update(opt_rows)
