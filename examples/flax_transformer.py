@@ -98,16 +98,18 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     train, test = make_data(rng, 8192, args.length), make_data(rng, 512, args.length)
     model = Transformer()
-    params = model.init(jax.random.key(args.seed), train[:2, :-1])["params"]
+    # jitted: eagerly, each initializer would compile op by op for each parameter shape
+    params = jax.jit(model.init)(jax.random.key(args.seed), train[:2, :-1])["params"]
     answer = slice(args.length, 2 * args.length)  # predictions of the sorted half
 
     def loss_fn(params, tokens):
         logits = model.apply({"params": params}, tokens[:, :-1])[:, answer]
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:][:, answer]).mean()
 
+    @jax.jit
     def accuracy(params, tokens):
         logits = model.apply({"params": params}, tokens[:, :-1])[:, answer]
-        return float(jnp.mean(jnp.argmax(logits, -1) == tokens[:, 1:][:, answer]))
+        return jnp.mean(jnp.argmax(logits, -1) == tokens[:, 1:][:, answer])
 
     # 1. Train, capturing attention and MLP dense layers' gradient norms each step.
     history: list = []
@@ -124,7 +126,7 @@ def main(argv=None):
         seed=args.seed,
         progress=False,
     )
-    acc = accuracy(state.params, test)
+    acc = float(accuracy(state.params, test))
     print(f"loss {metrics['loss'][0]:.3f} -> {metrics['loss'][-1]:.3f}")
     print(f"test answer accuracy {acc:.3f} (chance 0.100)")
 
