@@ -153,6 +153,7 @@ def _optimizer_rows(loss, params, x, y, captured):
 
     sgd = optax.sgd(0.01, momentum=0.9)
     rows = {"sgd step": steps(lambda g, s, p, c: sgd.update(g, s, p), False, sgd.init(params))}
+    grads = jax.jit(jax.grad(loss))(params, x, y)  # jitted: eagerly, every op would compile alone
     for name, kw, stats in (
         ("kfac step, cached inverses", dict(update_every=10**9), False),
         ("kfac step, statistics + eigh every 20", dict(update_every=OPT_STEPS, solver="eigh"), True),
@@ -160,8 +161,7 @@ def _optimizer_rows(loss, params, x, y, captured):
         opt = kfac(0.01, like=captured, momentum=0.9, damping=1e-2, **kw)
         state = opt.init(params)
         # the first update computes the inverses (count 0); each timed call then runs counts 1..20
-        grads = jax.grad(loss)(params, x, y)
-        _, state = opt.update(grads, state, params, curvature=captured)
+        _, state = jax.jit(opt.update)(grads, state, params, curvature=captured)
 
         def update(g, s, p, c, opt=opt):
             return opt.update(g, s, p, curvature=c)
@@ -170,7 +170,7 @@ def _optimizer_rows(loss, params, x, y, captured):
     return rows
 
 
-def bench_model(key, rounds, block, rng):
+def bench_model(key, rounds, block, rng, warmup=2):
     title, loss, params, x, y = _setup(key)
     # each row compiled once (lower + compile), for its timing and XLA's count of its flops
     base = jax.jit(jax.value_and_grad(loss)).lower(params, x, y).compile()
@@ -192,9 +192,9 @@ def bench_model(key, rounds, block, rng):
     rows.update(opt_rows)
     for name, (fn, _) in opt_rows.items():
         flops[name] = fn.flops
-    for fn, args in rows.values():  # compile and warm up
-        jax.block_until_ready(fn(*args))
-        jax.block_until_ready(fn(*args))
+    for fn, args in rows.values():  # warm up (compiled above)
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
     times = {name: [] for name in rows}
     order = list(rows)
     for _ in range(rounds):
@@ -276,13 +276,14 @@ def kfac_jax_part(mlp, quick, rounds, block):
 
 def run(quick=False, rounds=11, block=20, kfac_jax=True):
     rng = random.Random(0)
-    if quick:
-        rounds, block = 3, 3
+    warmup = 2
+    if quick:  # a smoke run: every row once to warm up, two rounds
+        rounds, block, warmup = 2, 2, 1
     res = {
         "jax": jax.__version__,
         "rounds": rounds,
         "block": block,
-        "models": [bench_model(k, rounds, block, rng) for k in ("mlp_mnist", "cnn")],
+        "models": [bench_model(k, rounds, block, rng, warmup) for k in ("mlp_mnist", "cnn")],
     }
     if kfac_jax:
         res["kfac_jax"] = kfac_jax_part(res["models"][0], quick, rounds, block)

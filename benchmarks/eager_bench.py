@@ -55,7 +55,7 @@ def _peak_mb() -> float:
 
 
 def run(quick: bool = False) -> dict:
-    rounds, calls = (5, 50) if quick else (30, 1000)
+    rounds, calls = (3, 20) if quick else (30, 1000)
     loss, args, traces = setup()
     hook = lambda rec: None
     spec = vk.capture("fc*", reduce="norm")

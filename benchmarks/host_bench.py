@@ -188,7 +188,7 @@ def run(quick: bool = False, models=tuple(MODELS)) -> dict:
     fits = []
     for key in models:
         window = fit_bench.QUICK_WINDOW if quick else fit_bench.WINDOW[key]
-        fits.append(bench_fit(key, 2 if quick else 7, window))
+        fits.append(bench_fit(key, 1 if quick else 7, window))
     return {"hooks": hooks, "fit": fits, "targets": targets(hooks, fits), "quick": quick}
 
 

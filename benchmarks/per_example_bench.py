@@ -185,8 +185,9 @@ def memory(variant: str, batch: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def timing(batch: int, rounds: int, block: int, flax: bool = False) -> dict:
-    fns, args = setup(batch, flax)
+def timing(batch: int, rounds: int, block: int, flax: bool = False, fns_args=None) -> dict:
+    """``fns_args``: ``setup(batch, flax)``'s result, if the caller has it (compiled already)."""
+    fns, args = fns_args or setup(batch, flax)
     names = variants(flax)
     for v in names:  # compile and warm up
         for _ in range(2):

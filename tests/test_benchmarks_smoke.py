@@ -24,11 +24,20 @@ TORCH_ROWS = ["PyTorch eager", "PyTorch eager + full backward hooks (norms)"]
 ALL_ROWS = JAX_ROWS + FLAX_ROWS + ["Equinox"] + TORCH_ROWS
 
 
+def smoke_env(env=None):
+    """The benchmark's environment for a smoke run: XLA:CPU compiles without LLVM's optimization
+    passes (about half the compile time, which is most of a quick run). The programs and what
+    they compute are the same; only their speed changes, and no timing is asserted here."""
+    env = dict(os.environ if env is None else env)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    return env
+
+
 def run_bench(tmp_path, *extra, env=None):
     out = tmp_path / "results.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--models", "mlp_small"]
     proc = subprocess.run(
-        [*cmd, *extra, "--out", str(out)], capture_output=True, text=True, timeout=600, env=env
+        [*cmd, *extra, "--out", str(out)], capture_output=True, text=True, timeout=600, env=smoke_env(env)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -175,7 +184,9 @@ def test_plain_bench_standalone(tmp_path):
     """plain_bench.py alone (its trace-time part: the cheapest) writes its JSON and table."""
     out = tmp_path / "plain.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "plain_bench.py"), "--quick", "--parts", "trace"]
-    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600, env=smoke_env()
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     check_plain(data, ("trace",))
@@ -260,6 +271,7 @@ def test_cnn_peers_pool_like_vjpkit_and_also_their_own_way():
         capture_output=True,
         text=True,
         timeout=600,
+        env=smoke_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = json.loads(proc.stdout.splitlines()[-1])
