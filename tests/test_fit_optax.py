@@ -210,6 +210,45 @@ def test_lbfgs_with_its_line_search():
     assert history["loss"][-1] < history["loss"][0]
 
 
+@pytest.mark.parametrize("opt", [optax.lbfgs(), optax.adam(1e-2)], ids=["lbfgs", "adam"])
+def test_the_step_compiles_once_whatever_the_state_types(opt):
+    # optax.lbfgs's initial state has weakly typed leaves; the step's output state is strongly
+    # typed, so without keep_types the jitted step would compile again at the second step
+    x, y = make_data()
+    traces = []
+
+    def counted(params, batch):
+        traces.append(None)
+        return loss_fn(params, batch)
+
+    counts = []
+    for n in (1, 4):
+        traces.clear()
+        with jax.numpy_dtype_promotion("standard"):
+            vk.train.fit(counted, opt, init_params(x), [(x, y)] * n, progress=False)
+        counts.append(len(traces))
+    assert counts[0] == counts[1] > 0, f"loss traced {counts[0]} times for 1 step, {counts[1]} for 4"
+
+
+def test_state_leaves_are_strongly_typed_and_keep_their_types():
+    from vjpkit.train._state import keep_types
+
+    state = vk.train.TrainState.create({"w": jnp.asarray(1.0)}, optax.lbfgs())
+    assert not any(leaf.weak_type for leaf in jax.tree.leaves(state))
+    assert any(leaf.weak_type for leaf in jax.tree.leaves(optax.lbfgs().init({"w": jnp.asarray(1.0)})))
+    old = {"a": jnp.zeros((), jnp.float32), "b": jnp.asarray(0.0)}  # b: weakly typed
+
+    @jax.jit
+    def update(old):
+        new = {"a": jnp.asarray(2.0), "b": jnp.asarray(3.0)}  # both weakly typed
+        return keep_types(new, old), new
+
+    kept, raw = update(old)
+    assert raw["a"].weak_type and not kept["a"].weak_type and kept["b"].weak_type
+    assert kept["a"].dtype == old["a"].dtype
+    tree_allclose(kept, {"a": jnp.float32(2.0), "b": jnp.asarray(3.0)})
+
+
 def test_a_non_optax_optimizer_is_still_refused():
     x, y = make_data()
     with pytest.raises(vk.ConfigError, match=r"optax\.MultiSteps"):

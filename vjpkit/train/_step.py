@@ -22,7 +22,7 @@ import optax
 from .. import _autodiff, _capture, _host
 from .._errors import ConfigError
 from ..curvature import StatsSpec
-from ._state import TrainState
+from ._state import TrainState, keep_types
 
 NAN_POLICIES = ("stop", "continue", "off")
 
@@ -146,9 +146,9 @@ def build_step(
         else:
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         new = TrainState(
-            optax.apply_updates(state.params, updates),
-            opt_state,
-            hook_state,
+            keep_types(optax.apply_updates(state.params, updates), state.params),
+            keep_types(opt_state, state.opt_state),
+            keep_types(hook_state, state.hook_state),
             state.step + 1,
             rng,
             state.nonfinite_step,
