@@ -20,9 +20,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import callback as _jax_callback  # pure_callback's device placement (private)
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
+
+from . import _compat
 
 _TOKEN = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -50,7 +51,7 @@ def _op_sharding(ctx):
     Without it, SPMD partitioning replicates the callback on every device: a host hook would
     run once per device. This is ``jax.pure_callback``'s own placement.
     """
-    placement = getattr(_jax_callback, "_callback_op_sharding", None)
+    placement = _compat.callback_op_sharding()
     if placement is None:  # pragma: no cover - a JAX without the helper: no annotation
         return None
     return placement(ctx.module_context.axis_context, None, ctx.avals_out)

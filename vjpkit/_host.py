@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _callback
+from . import _callback, _compat
 from ._callback import host_call
 from ._errors import ConfigError, HostHookError
 from ._records import Cotangents
@@ -151,12 +151,7 @@ def _position() -> jax.Array | None:
     Each device (or mapped example) makes its own host callback per step; the host counts
     ``every`` per position, so a step is counted once whatever the number of devices.
     """
-    try:
-        from jax._src import core as _core  # the trace's axis environment (private)
-
-        names = list(_core.get_axis_env().axis_sizes)
-    except (ImportError, AttributeError):  # pragma: no cover - another JAX: one count for all
-        return None
+    names = _compat.axis_names()
     if not names:
         return None
     return jnp.stack([jnp.asarray(jax.lax.axis_index(name), jnp.float32) for name in names])

@@ -26,11 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import config as _jax_config  # eager_constant_folding (private)
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
-from . import _context, _kinds
+from . import _compat, _context, _kinds
 from ._trees import Static, split_kwargs
 
 
@@ -89,8 +88,8 @@ def _hoist(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, list]:
     info = j.debug_info
     if info is not None and info.arg_names is not None:
         info = info._replace(arg_names=(*(f"closed-over {i}" for i in range(len(hoisted))), *info.arg_names))
-    new = jcore.Jaxpr(keep_vars, [*hoisted_vars, *j.invars], j.outvars, j.eqns, j.effects, info)
-    return jcore.ClosedJaxpr(new, keep), hoisted
+    new = _compat.open_jaxpr(keep_vars, [*hoisted_vars, *j.invars], j.outvars, j.eqns, j.effects, info)
+    return _compat.closed_jaxpr(new, keep), hoisted
 
 
 def call(fn: Callable, params: Any, inputs: tuple, kwargs: dict, default_name: str, kind: Any = None) -> Any:
@@ -124,7 +123,7 @@ def bind(fn: Callable, name: str, params: Any, inputs: tuple, kwargs: dict, kind
     # Staged even when every operand is concrete (an eager transform evaluates what does not
     # depend on the differentiated arguments at trace time): a frozen teacher's calls are layer
     # calls too, so their records exist.
-    with _jax_config.eager_constant_folding(False):
+    with _compat.no_eager_constant_folding():
         outs = _bind_layer(hoisted, leaves, closed, name, tree, out_tree, noted[0])
     return jax.tree.unflatten(out_tree, outs)
 

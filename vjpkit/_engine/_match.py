@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax._src import core as _core  # join_effects (private)
 from jax.extend import core as jcore
 
+from .. import _compat
 from .._kinds import LayerKind
 from .._primitive import layer_p, site_primitive
 from .._trees import Static
@@ -182,7 +182,7 @@ class _Matcher:
             jaxpr = inner.jaxpr if closed else inner
             before = len(self.other)
             new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), where, rewrite)
-            value = inner if new is jaxpr else jcore.ClosedJaxpr(new, inner.consts) if closed else new
+            value = inner if new is jaxpr else _compat.closed_jaxpr(new, inner.consts) if closed else new
             if rewrite:
                 if len(_CALL_CACHE) >= 256:
                     _CALL_CACHE.pop(next(iter(_CALL_CACHE)))
@@ -193,7 +193,7 @@ class _Matcher:
 
     def scan(self, eqn, ins, where, rewrite):
         params = eqn.params
-        nc, ncar = params["num_consts"], params["num_carry"]
+        nc, ncar = _compat.scan_split(params)
         body = params["jaxpr"]
         consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
         const_cls = [None] * len(body.jaxpr.constvars)
@@ -207,14 +207,14 @@ class _Matcher:
         jaxpr, outs = self.walk(body.jaxpr, consts + carry + xs, const_cls, here, rewrite)
         if jaxpr is body.jaxpr:
             return outs, None
-        return outs, eqn.replace(params={**params, "jaxpr": jcore.ClosedJaxpr(jaxpr, body.consts)})
+        return outs, eqn.replace(params={**params, "jaxpr": _compat.closed_jaxpr(jaxpr, body.consts)})
 
     def cond(self, eqn, ins, where, rewrite):
         here = f"{where}/cond" if where else "cond"
         branches, outs = [], None
         for br in eqn.params["branches"]:
             jaxpr, o = self.walk(br.jaxpr, ins[1:], [None] * len(br.jaxpr.constvars), here, rewrite)
-            branches.append(jcore.ClosedJaxpr(jaxpr, br.consts))
+            branches.append(_compat.closed_jaxpr(jaxpr, br.consts))
             outs = o if outs is None else [_join([a, b]) for a, b in zip(outs, o)]
         if all(b.jaxpr is br.jaxpr for b, br in zip(branches, eqn.params["branches"])):
             return outs, None
@@ -294,10 +294,10 @@ class _Matcher:
         pvars = [params_vars[k] for k in order]
         tree = jax.tree.structure((params, (0,), {}))
         sub_eqns = [eqns[k] for k in sorted(body)]
-        effects = _core.join_effects(*(e.effects for e in sub_eqns))
-        info = _core.DebugInfo("vjpkit matching", name, None, None)
-        inner = jcore.Jaxpr([], [*hoisted, *pvars, x_var], [out_var], sub_eqns, effects, info)
-        closed = jcore.ClosedJaxpr(inner, [])
+        effects = _compat.join_effects(*(e.effects for e in sub_eqns))
+        info = _compat.debug_info("vjpkit matching", name)
+        inner = _compat.open_jaxpr([], [*hoisted, *pvars, x_var], [out_var], sub_eqns, effects, info)
+        closed = _compat.closed_jaxpr(inner, [])
         kind = _kind(eqn, w, joined, eqns, {v: rel[k] for k, v in zip(order, pvars)}, body, i)
         return jcore.new_jaxpr_eqn(
             [*hoisted, *pvars, x_var],
@@ -530,4 +530,4 @@ def rewrite(closed: Any, paths: Sequence[str | None]) -> tuple[Any, list[OtherUs
     new, _ = m.walk(jaxpr, in_cls, consts, "", True)
     if new is jaxpr:
         return closed, m.other
-    return jcore.ClosedJaxpr(new, closed.consts), m.other
+    return _compat.closed_jaxpr(new, closed.consts), m.other

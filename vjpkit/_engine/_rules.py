@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 
+from .. import _compat
 from ._site import registered
 
 
@@ -81,7 +82,7 @@ SITE = Rule(_plan_site, _eval_site)
 
 
 def _plan_scan(planner, eqn, ins, at):
-    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, ncar = _compat.scan_split(eqn.params)
     body = eqn.params["jaxpr"].jaxpr
     consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
     while True:  # the carry's flags to a fixed point, registering nothing
@@ -97,7 +98,7 @@ def _plan_scan(planner, eqn, ins, at):
 def _eval_scan(runner, eqn, invals, p, probes, states):
     """Re-scanned with the calls' probes stacked as ``xs`` and their states in the carry."""
     params = eqn.params
-    nc, ncar = params["num_consts"], params["num_carry"]
+    nc, ncar = _compat.scan_split(params)
     body = params["jaxpr"]
     consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     pr, st = runner.mine(p, probes, states)
