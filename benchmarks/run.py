@@ -21,8 +21,9 @@ kfac-jax part). The wall time of each part is in the JSON's ``meta["part_s"]``.
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
 [--compile-repeats 3] [--peers flax,equinox,torch] [--only-first-call] [--no-per-example]
 [--no-eager] [--no-host] [--no-quickstart] [--no-plain] [--plain-parts steps,per_example,trace]
-[--no-curvature] [--no-kfac-jax] [--out PATH]``. What the rows, columns and memory figures are:
-``benchmarks/README.md``.
+[--no-curvature] [--no-kfac-jax] [--out PATH] [--write-docs]``. What the rows, columns and memory
+figures are: ``benchmarks/README.md``. ``--write-docs`` also rewrites the step-time table of
+``docs/performance.md`` (between its ``run.py:step-table`` markers) from the run's results.
 """
 
 from __future__ import annotations
@@ -388,6 +389,103 @@ def markdown(results, pex=None):
     return "\n".join(lines)
 
 
+DOCS_PAGE = HERE.parent / "docs" / "performance.md"
+STEP_TABLE_MARKERS = ("<!-- run.py:step-table:start -->", "<!-- run.py:step-table:end -->")
+
+
+def _limit(target):
+    """A target's text, ``"<a> / <b> <= <limit>"`` (or ``< <limit>``), as ``(a, b, "≤ <limit>")``."""
+    lhs, _, rhs = target["target"].rpartition(" / ")
+    against, op, limit = rhs.rsplit(" ", 2)
+    return lhs, against, f"{'≤' if op == '<=' else op} {limit}"
+
+
+def _checked(value, spec, met):
+    """A cell: the value, then ✓ or ✗ when it has a target (bold when missed)."""
+    if met is None:
+        return _fmt(value, spec)
+    return f"{_fmt(value, spec)} ✓" if met else f"**{_fmt(value, spec)} ✗**"
+
+
+def step_table(results, meta):
+    """``docs/performance.md``'s step-time table from ``main``'s results: a row per variant (ratio
+    to raw JAX), then a row per other target (against a peer, first calls), a column per model."""
+    variant_rows, target_rows = {}, {}  # label -> {model title: cell}, in first-seen order
+
+    def put(rows, label, title, cell):
+        rows.setdefault(label, {})[title] = cell
+
+    for res in results:
+        title = res["title"]
+        by_variant = {r["variant"]: r for r in res["rows"]}
+        step_targets, other_targets = {}, []
+        for t in res["targets"]:
+            lhs, against, limit = _limit(t)
+            if against == RAW and not lhs.startswith("first call: "):
+                step_targets[lhs] = (t, limit)
+            else:
+                other_targets.append((t, lhs, against, limit))
+        put(variant_rows, "raw JAX: step time", title, _fmt(by_variant[RAW]["median_step_us"], ".0f") + " µs")
+        for name, r in by_variant.items():
+            if name == RAW:
+                continue
+            target, limit = step_targets.get(name, (None, None))
+            label = name if limit is None else f"{name} ({limit})"
+            if r["status"] != "ok":
+                put(variant_rows, label, title, r["status"])
+            else:
+                put(variant_rows, label, title, _checked(r["ratio_to_raw"], ".3f", target and target["met"]))
+        for t, lhs, against, limit in other_targets:  # a peer skipped: its targets too
+            value = "skipped" if t["value"] is None else _checked(t["value"], ".2f", t["met"])
+            put(target_rows, f"{lhs} / {against} ({limit})", title, value)
+    titles = [res["title"] for res in results]
+    lines = [
+        f"Measured {run_line(meta)}.",
+        "",
+        "Step time as a ratio to raw JAX (lower is faster; ✓/✗ against the target in the row's "
+        "label), then the run's other targets: first calls against raw JAX's, and step times "
+        "against the peers':",
+        "",
+        "| variant | " + " | ".join(titles) + " |",
+        "|---|" + "---:|" * len(titles),
+    ]
+    for label, by_title in {**variant_rows, **target_rows}.items():
+        lines.append(f"| {label} | " + " | ".join(by_title.get(t, "") for t in titles) + " |")
+    return "\n".join(lines)
+
+
+def replace_marked(text, body, markers=STEP_TABLE_MARKERS):
+    """``text`` with what stands between the two marker lines replaced by ``body``; the markers
+    and everything outside them are kept as they are."""
+    start, end = markers
+    if not (text.count(start) == text.count(end) == 1 and text.index(start) < text.index(end)):
+        raise ValueError(f"expected the markers {start!r} and {end!r} once each, in that order")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + start + "\n" + body.strip("\n") + "\n" + end + tail
+
+
+def write_docs(results, meta, page=DOCS_PAGE):
+    """Rewrite the step-time table of ``docs/performance.md`` from this run's results."""
+    page = pathlib.Path(page)
+    page.write_text(replace_marked(page.read_text(), step_table(results, meta)))
+    return page
+
+
+def run_line(meta):
+    """One line saying when, where and how the run was made (printed first, and in the docs)."""
+    v, busy, load = meta["versions"], meta["other_cpu_share"], meta["load_average_at_start"]
+    rounds = (
+        "first calls only" if meta["only_first_call"] else f"{meta['rounds']} rounds of {meta['block']} steps"
+    )
+    return (
+        f"{meta['date']} | {meta['machine']} ({meta['cpu']}) | load {load or 0:.2f} | jax {v['jax']} "
+        f"({meta['backend']}), flax {v['flax']}, equinox {v['equinox']}, torch {v['torch']}"
+        f" | {rounds} | {meta['compile_repeats']} first call(s) per variant | {meta['wall_s']:.0f} s"
+        + ("" if busy is None else f" | other processes used {100 * busy:.0f}% of the CPU meanwhile")
+    )
+
+
 def cpu_times():
     """(all cores' time, their busy time, this process's and its waited children's CPU time), or None."""
     try:
@@ -474,7 +572,20 @@ def main(argv=None):
     parser.add_argument("--no-eager", action="store_true", help="skip eager_bench.py's eager-call comparison")
     parser.add_argument("--no-kfac-jax", action="store_true", help="skip curvature_bench.py's kfac-jax part")
     parser.add_argument("--out", default=str(HERE / "results.json"))
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="after the run, rewrite docs/performance.md's step-time table (between its "
+        "run.py:step-table markers) from its results",
+    )
     args = parser.parse_args(argv)
+    if args.write_docs and (args.quick or args.only_first_call):
+        parser.error("--write-docs needs a full run: not with --quick or --only-first-call")
+    if args.write_docs:  # before the run, not after it: the page must have its markers
+        try:
+            replace_marked(DOCS_PAGE.read_text(), "")
+        except (OSError, ValueError) as err:
+            parser.error(f"--write-docs: {DOCS_PAGE}: {err}")
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
     repeats = 1 if args.quick else args.compile_repeats
     plain_parts = tuple(p for p in plain_bench.PARTS if p in args.plain_parts.split(","))
@@ -562,14 +673,7 @@ def main(argv=None):
         "curvature": curvature,
     }
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    v, busy = meta["versions"], meta["other_cpu_share"]
-    print(
-        f"{meta['date']} | {meta['machine']} ({meta['cpu']}) | load {load or 0:.2f} | jax {v['jax']} "
-        f"({meta['backend']}), flax {v['flax']}, equinox {v['equinox']}, torch {v['torch']}"
-        + (" | first calls only" if only_first else f" | {rounds} rounds of {block} steps")
-        + f" | {repeats} first call(s) per variant | {meta['wall_s']:.0f} s"
-        + ("" if busy is None else f" | other processes used {100 * busy:.0f}% of the CPU meanwhile")
-    )
+    print(run_line(meta))
     print(markdown(results, pex))
     if eager is not None:
         print(eager_bench.markdown(eager))
@@ -583,6 +687,8 @@ def main(argv=None):
         print(plain_bench.markdown(plain))
     if curvature is not None:
         print(curvature_bench.markdown(curvature))
+    if args.write_docs:
+        print(f"wrote the step-time table of {write_docs(results, meta)}")
     return out
 
 
