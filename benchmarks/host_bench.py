@@ -48,7 +48,7 @@ TARGET_FIT = 1.10  # fit with records every step / fit with none
 HOOK_ROWS = ("bare jitted step", "on_host on all 5 layers", "on_host(every=100) on all 5 layers")
 FIT_ROWS = ("fit, no capture", "fit, capture norms, no on_records", "fit, capture norms + on_records")
 # the same pair under nan_policy="continue": no per-step gate of the update on the gradients'
-# finiteness, which costs capture on the CNN about 10% more under "stop" (README, Performance)
+# finiteness, which costs capture on the CNN about 10% more under "stop" (docs/performance.md)
 CONTINUE_ROWS = ("fit, no capture, continue", "fit, capture norms + on_records, continue")
 
 

@@ -1,24 +1,202 @@
+"""Test tiers, one XLA compilation cache for every xdist worker, and a per-file CPU-time report.
+
+* **Tiers.** ``python -m pytest -q`` (the README's command) runs the *default tier*: every
+  feature at least once, jitted and eagerly, in about 8 minutes on 2 cores.
+  ``python -m pytest -q --full`` (CI) runs the *full tier*: every test. What only the full tier
+  runs (``_full_only``): tests marked ``slow``; the files in ``FULL_ONLY_FILES`` (subprocess and
+  multi-device scripts, the BackPACK and kfac-jax oracles, the examples, the docs pages and the
+  benchmark smoke runs); and the eager twin (``eager`` in the test id: the ``maybe_jit``
+  fixture, or a test's own ``eager``/``jit`` parameter) of every test but the first that has one
+  in each file, so that each file's feature still runs eagerly once. ``--tier-complement`` runs
+  exactly what the default tier leaves out (CI: the default tier, then its complement, is the
+  full tier once).
+* **One compilation cache.** The controller makes one directory and hands it to its workers
+  (``pytest_configure_node``), so a program compiled by one worker is a cache hit in the other;
+  The cache has no size cap: a capped cache rescans its whole directory on every write (a
+  default tier went from about 8 to over 15 minutes). Without a cap JAX does not lock the
+  files, so a worker can read an entry the other is still writing: JAX then warns ("Error
+  reading persistent compilation cache entry", filtered in pyproject.toml) and compiles.
+  ``VJPKIT_TEST_XLA_CACHE`` names a directory to use (and keep) instead: CI shares one cache
+  between the two runs of a stage. Otherwise nothing carries over between sessions.
+* **CPU time per file.** ``--cpu-report N`` prints the N test files that took the most CPU time
+  (process time of the worker, XLA's compiler threads included) and wall time, summed over
+  their tests' setup, call and teardown.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
 import shutil
 import tempfile
+import time
 
 import jax
 import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-# Eager (non-jit) calls of a hooked transform trace fresh custom_vjp rules on every call, so the
-# small programs JAX dispatches for them miss its in-memory caches and are recompiled each time:
-# that compilation dominates the eager variants' runtime. A compilation cache private to this
-# test session (keyed by the program's HLO, so a hit returns what compiling would have) lets
-# identical programs compile once. Nothing carries over between sessions.
-_XLA_CACHE = tempfile.mkdtemp(prefix="vjpkit-tests-xla-cache-")
-jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# Whole files only the full tier runs: subprocess and multi-device scripts, the BackPACK and
+# kfac-jax oracles, the examples, the docs pages and the benchmark smoke runs.
+FULL_ONLY_FILES = frozenset(
+    {
+        # subprocess and multi-device scripts
+        "test_sharding.py", "test_plain_sharded.py", "test_curvature_sharded.py",
+        "test_mesh_delivery.py", "test_resume.py",
+        # oracles
+        "test_curvature_backpack.py", "test_curvature_kfac_jax.py", "test_kfac_jax_matcher.py",
+        # examples
+        "test_backward_seed_example.py", "test_explain_shapes_example.py", "test_foreign_examples.py",
+        "test_grad_moderation_example.py", "test_kfac_digits_example.py", "test_per_example_dp_example.py",
+        "test_plain_jax_example.py", "test_train_digits_example.py",
+        # docs pages, figures and benchmark smoke runs
+        "test_docs.py", "test_doc_images.py", "test_benchmarks_smoke.py", "test_kfac_floor.py",
+    }
+)  # fmt: skip
+
+_CACHE_KEY = "vjpkit_xla_cache"
+_OWN_CACHE: list[str] = []
 
 
-def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+def pytest_addoption(parser):
+    group = parser.getgroup("vjpkit")
+    group.addoption("--full", action="store_true", help="run the full tier (every test), as CI does")
+    group.addoption(
+        "--tier-complement", action="store_true", help="run only what the default tier leaves out"
+    )
+    group.addoption(
+        "--cpu-report", type=int, default=0, metavar="N", help="print the N test files with the most CPU time"
+    )
+
+
+def _cache_dir(config) -> str:
+    given = os.environ.get("VJPKIT_TEST_XLA_CACHE")
+    if given:
+        os.makedirs(given, exist_ok=True)
+        return given
+    if not _OWN_CACHE:
+        _OWN_CACHE.append(tempfile.mkdtemp(prefix="vjpkit-tests-xla-cache-"))
+    return _OWN_CACHE[0]
+
+
+def pytest_configure(config):
+    worker = getattr(config, "workerinput", None)
+    path = worker[_CACHE_KEY] if worker is not None and _CACHE_KEY in worker else _cache_dir(config)
+    # Eager calls of a hooked transform dispatch small programs that miss JAX's in-memory caches;
+    # the persistent cache (keyed by the program's HLO: a hit returns what compiling would have)
+    # compiles each once for the whole session, across workers.
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    config._vjpkit_cpu = collections.defaultdict(lambda: [0.0, 0.0, 0])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller: every worker uses the controller's cache directory."""
+    node.workerinput[_CACHE_KEY] = _cache_dir(node.config)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "workerinput", None) is None:
+        for path in _OWN_CACHE:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# --- tiers ---------------------------------------------------------------------------------------
+
+
+def _is_eager_twin(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and "eager" in callspec.id.split("-")
+
+
+def _full_only(items) -> list[bool]:
+    """For each item, whether only the full tier runs it (see the module's contract)."""
+    out, first_eager = [], {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        name = os.path.basename(path)
+        full = name in FULL_ONLY_FILES or item.get_closest_marker("slow") is not None
+        if not full and _is_eager_twin(item):
+            base = item.originalname if hasattr(item, "originalname") else item.name
+            full = first_eager.setdefault(path, base) != base
+        out.append(full)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    complement = config.getoption("--tier-complement")
+    keep, dropped = [], []
+    for item, full in zip(items, _full_only(items)):
+        (keep if full == complement else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+def pytest_report_header(config):
+    if config.getoption("--full"):
+        return "vjpkit tests: full tier"
+    if config.getoption("--tier-complement"):
+        return "vjpkit tests: what the default tier leaves out (--tier-complement)"
+    return "vjpkit tests: default tier (`--full` runs every test)"
+
+
+# --- CPU time per file ---------------------------------------------------------------------------
+
+
+def _timed(item, phase):
+    start = time.process_time()
+    yield
+    item.user_properties.append(("cpu_s", time.process_time() - start))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _timed(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _timed(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield from _timed(item, "teardown")
+
+
+def pytest_runtest_logreport(report):
+    cfg = _CONFIG[0] if _CONFIG else None
+    if cfg is None:
+        return
+    entry = cfg._vjpkit_cpu[report.nodeid.split("::")[0]]
+    entry[1] += report.duration
+    if report.when == "teardown":
+        entry[0] += sum(v for k, v in report.user_properties if k == "cpu_s")
+        entry[2] += 1
+
+
+_CONFIG: list = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    _CONFIG[:] = [session.config]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--cpu-report")
+    if not n or getattr(config, "workerinput", None) is not None:
+        return
+    rows = sorted(config._vjpkit_cpu.items(), key=lambda kv: -kv[1][0])
+    total_cpu = sum(v[0] for _, v in rows)
+    terminalreporter.section(f"CPU time per test file (top {n} of {len(rows)}; total {total_cpu:.0f} s)")
+    for path, (cpu, wall, count) in rows[:n]:
+        terminalreporter.write_line(f"{cpu:8.1f} s CPU {wall:8.1f} s wall {count:5d} tests  {path}")
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])

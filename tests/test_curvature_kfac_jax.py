@@ -1,8 +1,9 @@
 """kfac-jax 0.0.8 as the oracle of ``vk.curvature``'s K-FAC factors, on one MLP in float64.
 
 kfac-jax 0.0.8 needs jax <= 0.9.1 and vjpkit jax >= 0.10.1, so kfac-jax runs in its own venv
-(``benchmarks/kfac_jax_env.py`` makes it once, under ``~/.cache/vjpkit``) as a subprocess,
-``benchmarks/kfac_jax_side.py factors``, on the same weights and data written to an ``.npz``.
+(``python benchmarks/kfac_jax_env.py`` makes it once, under ``~/.cache/vjpkit``: a CI step,
+never a test) as a subprocess, ``benchmarks/kfac_jax_side.py factors``, on the same weights and
+data written to an ``.npz``.
 Without that environment (no network, a pip error) every test here skips with the reason.
 
 What is compared, as Kronecker products ``kron(A, G)`` (the split of the scale between ``A`` and
@@ -84,9 +85,13 @@ def _loss(p, x, y):
 def compared(tmp_path_factory):
     """kfac-jax's factors (from the side environment) and vjpkit's, on one MLP and key."""
     env = _env_module()
-    python = env.side_python()
+    # made by a CI step (`python benchmarks/kfac_jax_env.py`), never inside a test
+    python = env.side_python(create=False)
     if python is None:
-        pytest.skip(f"no kfac-jax side environment: {env.side_reason()}")
+        pytest.skip(
+            f"no kfac-jax side environment: {env.side_reason(create=False)}; "
+            "make it with `python benchmarks/kfac_jax_env.py` (CI's lower-bounds stage does)"
+        )
     params, x, y = _problem()
     key = jax.random.key(7)  # vjpkit's key for both Monte-Carlo runs
     key_one = key  # one sample: both sample with the key itself

@@ -7,9 +7,11 @@ names the JAX release and the change it follows. What JAX offers publicly is use
 (``jax.extend.core``, ``jax.tree_util``, ``jax.lax``); the private uses left are the ones JAX
 has no public form of, each guarded so that a JAX without it degrades as documented.
 
-Reviewed against JAX's CHANGELOG from 0.10.0 to 0.12 for what vjpkit walks or binds (scan,
-while, cond, jit/pjit, custom_jvp/custom_vjp, checkpoint, shard_map, callbacks, effects,
-``jax.extend``):
+Reviewed against JAX's CHANGELOG (0.10.0, 0.10.1, 0.10.2, 0.11.0) and, where the CHANGELOG is
+silent (internal parameters are not in it) or ends (0.12), against the released wheels' own
+sources (``jax/_src/lax/control_flow/loops.py``, ``jax/_src/core.py``, ``jax/extend/core``), for
+what vjpkit walks or binds: scan, while, cond, jit/pjit, custom_jvp/custom_vjp, checkpoint,
+shard_map, callbacks, effects and the ``jax.extend`` API:
 
 * **scan** (jax 0.11.0): ``num_consts``/``num_carry`` became the flat-tree parameters
   ``ft_in = (consts, carry, xs)`` and ``ft_out = (carry, ys)`` (``jax._src.flattree``); the
