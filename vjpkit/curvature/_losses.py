@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._errors import ConfigError
 from .._format import spec as _spec
@@ -40,6 +41,7 @@ class Mark(NamedTuple):
     kind: str
     output: jax.Array
     target: jax.Array
+    value: Any = None  # the loss value the registered call returned (the transform checks it)
 
 
 @contextlib.contextmanager
@@ -54,10 +56,31 @@ def collecting() -> Iterator[list[Mark]]:
         stack.pop()
 
 
-def _mark(kind: str, output: Any, target: Any) -> None:
+def _mark(kind: str, output: Any, target: Any, value: Any) -> Any:
     stack = getattr(_local, "stack", None)
     if stack:
-        stack[-1].append(Mark(kind, output, target))
+        stack[-1].append(Mark(kind, output, target, value))
+    return value
+
+
+def _integer_target(labels: jax.Array, c: int, dtype: Any) -> jax.Array:
+    """One-hot rows of integer ``labels``; a label outside ``[0, c)`` is an error when the labels
+    are concrete, and makes its row NaN when traced (so that the loss, its gradient and every
+    statistic are NaN rather than silently leaving the example out, as ``one_hot`` would)."""
+    try:
+        concrete = np.asarray(labels)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        concrete = None
+    if concrete is not None and concrete.size and (concrete.min() < 0 or concrete.max() >= c):
+        bad = np.flatnonzero((concrete < 0) | (concrete >= c))
+        raise ConfigError(
+            f"vk.curvature.softmax_cross_entropy: integer labels must be classes in [0, {c}) for "
+            f"logits with {c} columns, got {concrete[bad[:5]].tolist()} at rows {bad[:5].tolist()}"
+            f"{' ...' if bad.size > 5 else ''}. Fix the labels or the number of classes (under "
+            "jax.jit such a label makes the loss, the gradient and the statistics NaN)."
+        )
+    valid = (labels >= 0) & (labels < c)
+    return jnp.where(valid[:, None], jax.nn.one_hot(labels, c, dtype=dtype), jnp.asarray(jnp.nan, dtype))
 
 
 def _float_output(x: Any, who: str) -> jax.Array:
@@ -93,7 +116,7 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
         )
     n, c = logits.shape
     if jnp.issubdtype(labels.dtype, jnp.integer) and labels.shape == (n,):
-        target = jax.nn.one_hot(labels, c, dtype=logits.dtype)
+        target = _integer_target(labels, c, logits.dtype)
     elif labels.shape == (n, c) and jnp.issubdtype(labels.dtype, jnp.floating):
         target = labels.astype(logits.dtype)
     else:
@@ -101,9 +124,8 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
             f"vk.curvature.softmax_cross_entropy: labels must be integer classes ({n},) or a "
             f"float distribution ({n}, {c}) for logits {_spec(logits)}, got {_spec(labels)}."
         )
-    _mark("softmax_cross_entropy", logits, target)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.sum(target * logp, axis=-1))
+    return _mark("softmax_cross_entropy", logits, target, -jnp.mean(jnp.sum(target * logp, axis=-1)))
 
 
 def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
@@ -119,8 +141,7 @@ def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
             f"vk.curvature.mse: target {_spec(target)} must have the shape of pred {_spec(pred)}."
         )
     target = target.astype(pred.dtype)
-    _mark("mse", pred, target)
-    return jnp.mean(jnp.square(pred - target))
+    return _mark("mse", pred, target, jnp.mean(jnp.square(pred - target)))
 
 
 def sigmoid_binary_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -141,8 +162,17 @@ def sigmoid_binary_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Ar
             f"shape of logits {_spec(logits)}."
         )
     labels = labels.astype(logits.dtype)
-    _mark("sigmoid_binary_cross_entropy", logits, labels)
-    return jnp.mean(jax.nn.softplus(logits) - labels * logits)
+    return _mark(
+        "sigmoid_binary_cross_entropy", logits, labels, jnp.mean(jax.nn.softplus(logits) - labels * logits)
+    )
+
+
+def _label_mass(mark: Mark) -> jax.Array:
+    """``sqrt(s_n)``, ``s_n`` the sum of example ``n``'s label row: the Hessian of
+    ``-sum_c t_c log softmax(z)_c`` over ``z`` is ``s_n (diag p - p p^T)``, so the seeds of a
+    label distribution that does not sum to 1 carry ``sqrt(s_n)`` (1 for one-hot rows; NaN for
+    a negative sum, whose Hessian has no real square root, and for an out-of-range label)."""
+    return jnp.sqrt(jnp.sum(mark.target, axis=-1))
 
 
 def _per_element(out: jax.Array) -> tuple[int, int]:
@@ -161,7 +191,7 @@ def sqrt_hessian(mark: Mark) -> jax.Array:
         eye = jnp.eye(c, dtype=out.dtype)
         # column k of diag(sqrt p) - p sqrt(p)^T, for every example at once: (C, N, C)
         cols = sp.T[:, :, None] * (eye[:, None, :] - p[None, :, :])
-        return cols / jnp.sqrt(jnp.asarray(n, out.dtype))
+        return cols * _label_mass(mark)[None, :, None] / jnp.sqrt(jnp.asarray(n, out.dtype))
     if mark.kind == "mse":
         scale = jnp.sqrt(jnp.asarray(2.0 / (n * d), out.dtype))
         eye = jnp.eye(d, dtype=out.dtype).reshape(d, 1, *out.shape[1:])
@@ -186,7 +216,7 @@ def sampled(mark: Mark, key: jax.Array, samples: int) -> jax.Array:
             y = jax.random.categorical(k, out, axis=-1)
             return (p - jax.nn.one_hot(y, out.shape[-1], dtype=out.dtype)) / jnp.sqrt(n * m)
 
-        return jax.vmap(one)(keys)
+        return jax.vmap(one)(keys) * _label_mass(mark)[None, :, None]
     if mark.kind == "mse":
         z = jax.vmap(lambda k: jax.random.normal(k, out.shape, out.dtype))(keys)
         return z * jnp.sqrt(2.0 / (n * d * m))

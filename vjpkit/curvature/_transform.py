@@ -96,6 +96,16 @@ def transform(
                     f"{name}: the loss registered {len(marks)} vk.curvature losses "
                     f"({[m.kind for m in marks]}); vk.curvature.stats takes exactly one."
                 )
+            if loss is not marks[0].value:
+                raise ConfigError(
+                    f"{name}: the differentiated loss ({_format.describe(loss)}) is not the value the "
+                    f"registered vk.curvature.{marks[0].kind} returned: it is computed from it and "
+                    "something else (a scale such as 2 * loss, an added term such as a z-loss on the "
+                    "logits or weight decay, a sum of losses). The statistics are the curvature of "
+                    "the registered term alone, so they would describe another function than the "
+                    "one differentiated. Return the registered loss itself (anything else through "
+                    "has_aux=True), or compute the statistics with a loss function that does."
+                )
             kinds[:] = [marks[0].kind]
             return (loss, marks[0].output), (aux, marks[0].target)
 
