@@ -17,6 +17,7 @@ from jax.flatten_util import ravel_pytree
 
 import vjpkit as vk
 from tests.helpers import tree_allclose
+from vjpkit import nn
 
 F64 = {"rtol": 1e-9, "atol": 1e-12}
 
@@ -60,6 +61,145 @@ def per_example_grads(per_example_losses, params):
 
 def batch_l2_of(grads):
     return jax.tree.map(lambda g: jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1), grads)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. a custom nn.layer with dense-shaped params whose function is not x @ W + b
+
+
+def _tanh_dense(p, x):
+    return jnp.tanh(x @ p["weight"]) + p["bias"]
+
+
+MASK = np.tril(np.ones((4, 5)))
+
+
+def _masked_dense(p, x):
+    return x @ (p["weight"] * jnp.asarray(MASK, p["weight"].dtype)) + p["bias"]
+
+
+@pytest.mark.parametrize("fn", [_tanh_dense, _masked_dense], ids=["tanh", "mask"])
+def test_custom_dense_shaped_layer_is_exact(fn, maybe_jit, f64):
+    rng = np.random.default_rng(0)
+    custom = nn.layer(fn, name="custom")
+    fc = nn.dense(3, name="fc")
+    p = {
+        "custom": {"weight": _normal(rng, 4, 5), "bias": _normal(rng, 5)},
+        "fc": {"weight": _normal(rng, 5, 3), "bias": _normal(rng, 3)},
+    }
+    x, y = _normal(rng, 6, 4), jnp.asarray([0, 2, 1, 1, 0, 2])
+
+    def model(p, x):
+        return fc.apply(p["fc"], jnp.tanh(custom.apply(p["custom"], x)))
+
+    def plain(p, x):
+        return jnp.tanh(fn(p["custom"], x)) @ p["fc"]["weight"] + p["fc"]["bias"]
+
+    def loss(p, x, y):
+        return vk.curvature.softmax_cross_entropy(model(p, x), y)
+
+    spec = vk.curvature.stats("*", ["diag_ggn", "batch_l2", "sum_grad_squared"])
+    _, captured = maybe_jit(vk.value_and_grad(loss, capture=spec))(p, x, y)
+    assert captured["fc"].layout.kind == "dense"  # nn.dense keeps its closed form
+    assert captured["custom"].layout.kind != "dense"
+    ref = ggn_diag(lambda q: plain(q, x), lambda o: _ce(o, y), p)
+    pe = per_example_grads(
+        lambda q: -jnp.take_along_axis(jax.nn.log_softmax(plain(q, x)), y[:, None], 1)[:, 0], p
+    )
+    for name in ("custom", "fc"):
+        tree_allclose(captured[name].diag_ggn, ref[name], **F64)
+        tree_allclose(captured[name].batch_l2, batch_l2_of(pe[name]), **F64)
+        tree_allclose(
+            captured[name].sum_grad_squared, jax.tree.map(lambda g: jnp.sum(g**2, 0), pe[name]), **F64
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# 2. a time-major layer (T, N, d), examples on axis 1, with T == N
+
+
+def test_time_major_layer_with_t_equal_n(maybe_jit, f64):
+    rng = np.random.default_rng(1)
+    enc, head = nn.dense(5, name="enc"), nn.dense(3, name="head")
+    p = {
+        "enc": {"weight": _normal(rng, 3, 5), "bias": _normal(rng, 5)},
+        "head": {"weight": _normal(rng, 5, 3), "bias": _normal(rng, 3)},
+    }
+    t = n = 4
+    x, y = _normal(rng, t, n, 3), jnp.asarray([0, 2, 1, 1])
+
+    def model(p, x, apply=True):
+        if apply:
+            h = jnp.tanh(enc.apply(p["enc"], x))  # (T, N, 5)
+            return head.apply(p["head"], jnp.mean(h, axis=0))
+        h = jnp.tanh(x @ p["enc"]["weight"] + p["enc"]["bias"])
+        return jnp.mean(h, axis=0) @ p["head"]["weight"] + p["head"]["bias"]
+
+    def loss(p, x, y):
+        return vk.curvature.softmax_cross_entropy(model(p, x), y)
+
+    spec = vk.curvature.stats("*", ["batch_l2", "diag_ggn"])
+    _, captured = maybe_jit(vk.value_and_grad(loss, capture=spec))(p, x, y)
+    logp = lambda q: jax.nn.log_softmax(model(q, x, apply=False))
+    pe = per_example_grads(lambda q: -jnp.take_along_axis(logp(q), y[:, None], 1)[:, 0], p)
+    ref = ggn_diag(lambda q: model(q, x, apply=False), lambda o: _ce(o, y), p)
+    for name in ("enc", "head"):
+        tree_allclose(captured[name].batch_l2, batch_l2_of(pe[name]), **F64)
+        tree_allclose(captured[name].diag_ggn, ref[name], **F64)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. examples mixed between a layer and the loss (batch norm in training mode, or plain jnp)
+
+
+def _bn_model(mix):
+    fc1, fc2 = nn.dense(5, name="fc1"), nn.dense(3, name="fc2")
+    bn = nn.batch_norm(name="bn")
+
+    def model(p, x):
+        h = fc1.apply(p["fc1"], x)
+        if mix == "batch_norm":
+            h, _ = bn.apply(p["bn"], h, train=True)
+        else:
+            h = h - jnp.mean(h, axis=0)
+        return fc2.apply(p["fc2"], jnp.tanh(h))
+
+    return model, bn
+
+
+@pytest.mark.parametrize("mix", ["batch_norm", "centre"])
+def test_examples_mixed_downstream_raise_naming_the_layer(mix, maybe_jit, f64):
+    rng = np.random.default_rng(2)
+    model, bn = _bn_model(mix)
+    x, y = _normal(rng, 6, 4), jnp.asarray([0, 2, 1, 1, 0, 2])
+    p = {
+        "fc1": {"weight": _normal(rng, 4, 5), "bias": _normal(rng, 5)},
+        "fc2": {"weight": _normal(rng, 5, 3), "bias": _normal(rng, 3)},
+        "bn": bn.init(jax.random.key(0), jnp.zeros((6, 5), jnp.float64)),
+    }
+
+    def loss(p, x, y):
+        return vk.curvature.softmax_cross_entropy(model(p, x), y)
+
+    for which in (["diag_ggn"], ["batch_l2"]):
+        spec = vk.curvature.stats("fc1", which)
+        with pytest.raises(vk.ConfigError, match=r"'fc1'.*mix"):
+            maybe_jit(vk.value_and_grad(loss, capture=spec))(p, x, y)
+    # K-FAC factors read only the rows: still given
+    _, captured = maybe_jit(vk.value_and_grad(loss, capture=vk.curvature.stats("fc1", ["kflr"])))(p, x, y)
+    assert captured["fc1"].kflr is not None
+    # the layers after the mixing are exact
+    layers = "fc2" if mix == "centre" else ["fc2", "bn"]
+    _, captured = maybe_jit(vk.value_and_grad(loss, capture=vk.curvature.stats(layers, ["diag_ggn"])))(
+        p, x, y
+    )
+    ref = ggn_diag(lambda q: model(q, x), lambda o: _ce(o, y), p)
+    tree_allclose(captured["fc2"].diag_ggn, ref["fc2"], **F64)
+    if mix == "batch_norm":
+        got = captured["bn"].diag_ggn
+        tree_allclose(
+            {"scale": got["scale"], "bias": got["bias"]}, {k: ref["bn"][k] for k in ("scale", "bias")}, **F64
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -287,9 +287,10 @@ def local_stats(
     n: int,
     where: str,
     kind: str,
+    axis: int = 0,
 ) -> dict[str, Any]:
     """The statistics of a layer with no K-FAC rule, from ``per_example(g) -> {leaf: (N, ...)}``,
-    its per-example parameter gradients for output cotangents ``g`` (examples on axis 0)."""
+    its per-example parameter gradients for output cotangents ``g`` (examples on ``axis``)."""
     factors = [s for s in which if s in FACTORS]
     if factors:
         raise ConfigError(
@@ -297,11 +298,11 @@ def local_stats(
             f"{factors} are not defined for it. Ask for its diagonal ({list(DIAGONAL)}: the "
             "diagonal block kfac-jax uses for scale-and-shift layers) or leave it out of the globs."
         )
-    if d.shape[0] != n:
+    if d.shape[axis] != n:
         raise ConfigError(
-            f"vk.curvature.stats: {where}: the per-example statistics {list(which)} read axis 0 of "
+            f"vk.curvature.stats: {where}: the per-example statistics {list(which)} read axis {axis} of "
             f"the layer's output as the {n} examples of the registered loss, but it has "
-            f"{d.shape[0]} entries there."
+            f"{d.shape[axis]} entries there."
         )
     dtype = stats_dtype(d.dtype)
 

@@ -31,8 +31,8 @@ from .. import _autodiff, _capture, _engine, _format
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
-from . import _losses
-from ._stats import DIAGONAL, FIRST_ORDER, StatsSpec, layer_stats, local_stats
+from . import _examples, _losses
+from ._stats import DIAGONAL, FACTORS, FIRST_ORDER, StatsSpec, layer_stats, local_stats
 from ._types import LayerCurvature, Layout
 
 
@@ -141,8 +141,9 @@ def transform(
             if not jax.tree.leaves(rec.params) or traced.plan.contains_calls(site):
                 continue  # no parameters, or a container (its layers have their own statistics)
             rule = _rule(site, paths, spec, name)
+            axis = _example_axis(traced, site, rule, spec, n, name)
             result_captured[k] = _stacked_stats(
-                spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k
+                spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k, axis
             )
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
@@ -163,18 +164,81 @@ def _takes_key(fun: Callable) -> bool:
     return any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key) -> Any:
-    """The statistics of one call, vmapped over its record's ``n_scans`` stacked scan axes."""
+def _example_axis(traced: Any, site: Any, rule: Any, spec: StatsSpec, n: int, transform: str) -> int:
+    """The axis of the call's output that holds the ``n`` examples of the registered loss, found
+    by following each candidate axis to the registered output (``_examples``): the one that
+    arrives at its axis 0 with no example mixed with another on the way. 0 when only K-FAC
+    factors are asked for (they read rows, not examples) or when the call does not reach the
+    loss (its statistics are zero); a ``ConfigError`` naming the layer when the examples mix
+    between it and the loss, or when no axis (or more than one) carries them there."""
+    per_example = [w for w in spec.which if w not in FACTORS]
+    outs = [v for v in site.eqn.outvars if hasattr(v.aval, "shape")]
+    if not per_example or not outs:
+        return 0
+    shape = tuple(outs[0].aval.shape)
+    dense = isinstance(rule, Layout) and rule.kind == "dense"
+    candidates = [k for k in range(len(shape) - (1 if dense else 0)) if shape[k] == n]
+    if isinstance(rule, Layout) and rule.kind == "conv":
+        candidates = candidates[:1] if candidates and candidates[0] == 0 else []
+    ends = {}
+    for k in candidates:
+        seeds = {
+            j: k
+            for j, v in enumerate(site.eqn.outvars)
+            if tuple(getattr(v.aval, "shape", ()))[k : k + 1] == (n,)
+        }
+        ends[k] = _examples.reaches(traced.closed.jaxpr, site.path, seeds, 1)
+    good = [k for k, end in ends.items() if end == 0]
+    if len(good) == 1:
+        return good[0]
+    if ends and all(end is None for end in ends.values()):
+        return 0  # the loss does not depend on this call: its statistics are zero
+    where = f"layer {site.key!r}"
+    out = _format.describe(outs[0].aval)
+    head = f"{transform}: vk.curvature.stats{list(per_example)}: {where} (output {out})"
+    fix = (
+        f"Ask only for K-FAC factors ({list(FACTORS)}) of this layer, which read its rows and not "
+        "its examples, or leave it out of the globs."
+    )
+    if len(good) > 1:
+        raise ConfigError(
+            f"{head}: its axes {good} all reach axis 0 of the registered loss's output, so which one "
+            f"holds the {n} examples is ambiguous. {fix}"
+        )
+    if any(end == _examples.MIXED for end in ends.values()):
+        raise ConfigError(
+            f"{head}: the per-example statistics need this layer's examples kept apart up to the "
+            "registered loss, but between this layer and the loss they mix (a batch norm in training "
+            "mode, a mean or sum over the batch, a contraction or scan over the examples, or an "
+            "operation whose effect on the examples vjpkit cannot read), so a per-example gradient "
+            f"of this layer is not defined by its records. {fix}"
+        )
+    raise ConfigError(
+        f"{head}: no axis of its output with {n} entries (the examples of the registered loss) "
+        f"reaches axis 0 of the registered loss's output (candidates {candidates}: they end on "
+        f"{[ends[k] for k in candidates]}). {fix}"
+    )
+
+
+def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key, axis=0) -> Any:
+    """The statistics of one call, vmapped over its record's ``n_scans`` stacked scan axes; the
+    examples on ``axis`` of its output (and, for a dense layer, of its input)."""
     where = f"layer {key!r}"
 
     def one(params, grad_params, x, d, ex, sm):
+        if isinstance(rule, Layout) and axis:
+            x, d = jnp.moveaxis(x, axis, 0), jnp.moveaxis(d, axis, 0)
+            ex = None if ex is None else jnp.moveaxis(ex, axis + 1, 1)
+            sm = None if sm is None else jnp.moveaxis(sm, axis + 1, 1)
         if isinstance(rule, Layout):
             g_flat = _flat(grad_params) if grad_params is not None else {}
             stats = layer_stats(which, rule, _flat(params), g_flat, x, d, ex, sm, n, where)
             return _rekey(stats, params)
         linearize, kind = rule
         grad_params = grad_params if grad_params is not None else jax.tree.map(jnp.zeros_like, params)
-        fields = local_stats(which, linearize(params, x), params, grad_params, d, ex, sm, n, where, kind)
+        fields = local_stats(
+            which, linearize(params, x, axis), params, grad_params, d, ex, sm, n, where, kind, axis
+        )
         return LayerCurvature(**fields, layout=Layout("local", "", None))
 
     ex = exact.grad_output if exact is not None else None
@@ -197,7 +261,7 @@ def _masked_per_example(site: Any) -> Callable | None:
     fn = jcore.jaxpr_as_fun(site.span.jaxpr)
     single = len(layout.tree.children()[1].children()) == 1
 
-    def linearize(params, x):
+    def linearize(params, x, axis=0):
         inputs = (x,) if single else tuple(x)
         kwargs = jax.tree.unflatten(kwargs_tree, [])
 
@@ -207,10 +271,10 @@ def _masked_per_example(site: Any) -> Callable | None:
         _, pull = jax.vjp(f, params)
 
         def per_example(g):
-            examples = jnp.arange(g.shape[0])
+            examples = jnp.arange(g.shape[axis])
 
             def one(i):
-                mask = (examples == i).reshape(-1, *([1] * (g.ndim - 1)))
+                mask = jnp.expand_dims(examples == i, [d for d in range(g.ndim) if d != axis])
                 return pull(jnp.where(mask, g, 0).astype(g.dtype))[0]
 
             return jax.vmap(one)(examples)
@@ -255,6 +319,18 @@ def _plain_dense(site: Any, params: dict) -> bool:
     return x.shape[-1:] == (n_in,) and y.shape == (*x.shape[:-1], n_out)
 
 
+def _affine(site: Any) -> bool:
+    """Whether the call's own program is ``x @ weight [+ bias]`` (``_examples.is_affine``)."""
+    layout = site.layout
+    if layout.n_hoisted or layout.tree.children()[2].num_leaves:
+        return False
+    jaxpr = getattr(site.span.jaxpr, "jaxpr", site.span.jaxpr)
+    _, (p, inputs, _) = layout.split(list(jaxpr.invars))
+    if not isinstance(p, dict) or len(inputs) != 1 or not hasattr(inputs[0], "aval"):
+        return False
+    return _examples.is_affine(jaxpr, p["weight"], p.get("bias"), inputs[0])
+
+
 def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     """A ``Layout`` (how the call's params map to the K-FAC matrix, from its kind) for a dense
     or conv layer; ``(per_example, kind)`` for any other per-example layer (see ``local_stats``)."""
@@ -263,7 +339,7 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     where = f"layer {site.key!r}"
     if isinstance(kind, LayerKind) and kind.kind in ("dense", "conv"):
         roles = {role: p for p, role in kind.roles.items() if p in params}
-    elif kind is None and _plain_dense(site, params):
+    elif kind is None and _plain_dense(site, params) and _affine(site):
         kind, roles = LayerKind("dense"), {"weight": "weight", "bias": "bias"}
         roles = {r: p for r, p in roles.items() if p in params}
     else:
