@@ -157,7 +157,7 @@ def _transform(
         return (result, *extras) if extras else result
 
     hooked = functools.wraps(fun)(hooked)
-    hooked.__vjpkit__ = dict(fun=fun, config=config)
+    hooked.__vjpkit__ = dict(fun=fun, config=config, argnums=argnums, has_aux=has_aux)
     return hooked
 
 
@@ -238,8 +238,10 @@ def value_and_grad(
 def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> HookState:
     """The initial hook state of a vjpkit-transformed function, for ``hook_state=``.
 
-    Traces ``fn``'s forward pass once (no gradient is computed) and calls each stateful hook's
-    ``init`` with the params of each layer call it matches. A layer inside ``lax.scan`` has one
+    Traces ``fn``'s forward pass once (no gradient is computed), with the arguments ``fn``
+    differentiates (its ``argnums``: plain-JAX layers are named by these leaves' paths, as in
+    its records), and calls each stateful hook's ``init`` with the params of each layer call it
+    matches. A layer inside ``lax.scan`` has one
     state, advanced once per iteration.
 
     Args:
@@ -264,5 +266,11 @@ def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> HookState:
     config, fun = meta["config"], meta["fun"]
     if config is None:  # a transform with its own program (vk.curvature.stats) keeps no hook state
         return HookState()
-    traced = _engine.trace(config, fun, args, kwargs, check=False)
+    # the same arguments differentiated as the transform's calls: plain-JAX matching names the
+    # layers by the paths of these leaves, and takes the others (the batch) as data
+    nums = meta.get("argnums")
+    nums = None if nums is None else _argnums(nums, len(args), config.transform)
+    traced = _engine.trace(
+        config, fun, args, kwargs, argnums=nums, has_aux=meta.get("has_aux", False), check=False
+    )
     return _engine.init_hook_state(traced)
