@@ -212,9 +212,10 @@ def _eqn(eqn: Any, axes: list, seed: Any) -> list:
     if name in _ELEMENTWISE:
         out = _shape(eqn.outvars[0])
         found = None
-        for v, a in zip(eqn.invars, axes):
+        for v, a in zip(eqn.invars, axes):  # size-1 axes broadcast (jax >= 0.12), not the examples
             if a is not None:
-                found = join(found, a if _shape(v) == out else MIXED)
+                same = len(_shape(v)) == len(out) and _shape(v)[a] == out[a]
+                found = join(found, a if same else MIXED)
         return [found] * n_out
     rule = _RULES.get(name)
     if rule is None:
