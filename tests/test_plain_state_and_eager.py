@@ -6,20 +6,31 @@
    and once per ``lax.scan`` iteration, in backward order; ``vk.train.fit`` threads it. The
    references are hand-chained: ``jax.vjp`` of each layer with ``ema_normalize``'s update done in
    float64 numpy, and the same model written with ``vjpkit.nn`` layers.
+2. A hooked transform built for each eager call (``vk.grad(loss, hooks={...})(params, x)`` in a
+   loop, the hooks made in the loop too) reuses the traces and compiled inner ``jax.jit`` of the
+   first one when its configuration is the same, and never when it differs (DESIGN.md, "Trace
+   identity"); its caches stay bounded. Traces are counted with Python side effects in the traced
+   functions; no test times anything.
 
-Tests of a transformed function run jitted and eagerly (``maybe_jit``).
+Tests of part 1 run jitted and eagerly (``maybe_jit``); part 2 is about eager calls.
 """
 
 from __future__ import annotations
+
+import gc
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import vjpkit as vk
 from tests.helpers import tree_allclose
 from tests.models import mlp_chain, mlp_loss, mlp_setup
+from vjpkit import _context
+from vjpkit._engine import _run
 
 DECAY = 0.9
 LR = 0.1
@@ -208,3 +219,113 @@ def test_fit_threads_hook_state_on_a_plain_model():
     for k in LAYERS:
         check_state(state.hook_state[k], ref[k])
     tree_allclose(state.params, params, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------ 2. a transform built per eager call
+
+
+def inner_jit_setup():
+    """The forum MLP applied through an inner ``jax.jit`` that counts its traces."""
+    params, x, y = mlp_setup(16)
+    traces = []
+
+    @jax.jit
+    def forward(p, x):
+        traces.append(None)  # runs only while JAX traces
+        return plain_apply(p, x)
+
+    def loss(p, x, y):
+        logp = jax.nn.log_softmax(forward(p, x))
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+    return loss, (params, x, y), traces
+
+
+def halve(seen):
+    """A hook made anew each time (as in a loop), counting its traces in ``seen``."""
+
+    def hook(rec):
+        seen.append(None)
+        return rec.replace(grad_params=jax.tree.map(lambda g: g / 2, rec.grad_params))
+
+    return hook
+
+
+@pytest.mark.parametrize("style", ["ready-made", "closure", "on_host"])
+def test_a_transform_built_per_call_reuses_traces_and_compiled_inner_jit(style):
+    loss, args, traces = inner_jit_setup()
+    seen, delivered = [], []
+
+    def make():
+        if style == "ready-made":
+            hooks = {"fc*": [vk.scale(0.5), halve(seen)]}
+        elif style == "closure":
+            hooks = {"fc*": halve(seen), "fc2": vk.before(lambda rec: rec)}
+        else:
+            hooks = {"fc*": [halve(seen), vk.on_host(delivered.append)]}
+        return vk.grad(loss, hooks=hooks)
+
+    first = make()(*args)
+    inner_traces, size = len(traces), len(_run._JIT_CACHE)
+    for _ in range(5):
+        tree_allclose(make()(*args), first, rtol=0, atol=0)
+    jax.effects_barrier()
+    assert len(traces) == inner_traces == 1  # the user's inner jit, traced by the first call only
+    assert len(seen) == len(LAYERS)  # the hook: traced into one compiled inner call, once
+    factor = 0.25 if style == "ready-made" else 0.5
+    tree_allclose(first, jax.tree.map(lambda g: factor * g, jax.grad(loss)(*args)), rtol=1e-5, atol=1e-7)
+    assert len(_run._JIT_CACHE) <= size + 1
+    if style == "on_host":
+        assert len(delivered) == 6 * len(LAYERS)
+
+
+def scaled(factor):
+    return lambda rec: rec.replace(grad_params=jax.tree.map(lambda g: g * factor, rec.grad_params))
+
+
+def test_different_configurations_never_share_a_trace():
+    loss, args, traces = inner_jit_setup()
+    raw = jax.grad(loss)(*args)  # traces the inner jit outside any vjpkit transform: once
+    configs = [
+        ({"fc*": vk.scale(0.5)}, {k: 0.5 for k in LAYERS}),
+        ({"fc*": vk.scale(0.25)}, {k: 0.25 for k in LAYERS}),
+        ({"fc*": vk.scale(0.25, "grad_input")}, None),
+        ({"fc1": vk.scale(0.5)}, {"fc1": 0.5, "fc2": 1.0, "fc3": 1.0}),
+        ({"fc*": scaled(3.0)}, {k: 3.0 for k in LAYERS}),
+        ({"fc*": scaled(-3.0)}, {k: -3.0 for k in LAYERS}),
+        ({"fc*": scaled(3)}, {k: 3.0 for k in LAYERS}),
+        ({"fc*": vk.hook_chain(scaled(2.0), scaled(2.0))}, {k: 4.0 for k in LAYERS}),
+        ({"fc*": vk.hook_chain(scaled(2.0), scaled(-2.0))}, {k: -4.0 for k in LAYERS}),
+        ({"fc*": vk.zero()}, {k: 0.0 for k in LAYERS}),
+    ]
+    for _ in range(2):  # the second round finds every trace made in the first
+        for hooks, factors in configs:
+            grads = vk.grad(loss, hooks=hooks)(*args)
+            # None: grad_input scaled at fc3 and fc2, so fc2's gradient by 1/4 and fc1's by 1/16
+            by = factors or {"fc1": 1 / 16, "fc2": 0.25, "fc3": 1.0}
+            tree_allclose(grads, {k: jax.tree.map(lambda g, f=by[k]: f * g, raw[k]) for k in LAYERS})
+    assert len(traces) == 2  # and once inside vjpkit transforms, whatever their hooks
+
+
+def test_caches_stay_bounded_however_transforms_are_built():
+    loss, args, _ = inner_jit_setup()
+    for i in range(_context._INTERNED_MAX + 20):  # building a transform makes its configuration
+        vk.grad(loss, hooks={"fc*": vk.scale(1.0 + i)})
+    assert len(_context._interned) <= _context._INTERNED_MAX
+    assert len(_run._JIT_CACHE) <= _run._JIT_CACHE_SIZE
+
+    def call():
+        jax.block_until_ready(vk.grad(loss, hooks={"fc*": vk.scale(0.5)})(*args))
+
+    call()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(50):
+            call()
+        gc.collect()
+        growth = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert growth < 4 * 2**20, f"{growth / 2**20:.1f} MB over 50 calls"

@@ -4,8 +4,9 @@ Contract:
 
 * ``Config`` is the immutable hook configuration of one transformed function (``vk.grad(...,
   hooks=..., capture=...)`` makes one when it is called, not per call). Its ``token`` is the
-  same for configurations of equal content (the same hook objects, capture specs and
-  transform), and unique otherwise, for the life of the process.
+  same for configurations of equal content (globs, transform, and hooks and capture specs that
+  behave the same: ``canonical``, so hooks made anew in a loop share it), and unique
+  otherwise, for the life of the process.
 * A *scope* is active only while a vjpkit transform traces the user's function. Two kinds:
   ``LAYERS`` (the reverse-mode transforms: every layer call becomes one ``vjpkit_layer``
   equation, whatever the hooks, so the trace does not depend on the configuration) and a
@@ -27,15 +28,17 @@ import collections
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import itertools
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 
 from ._errors import ConfigError
-from ._hook_base import inner, is_factory
+from ._hook_base import before, inner, is_deferred, is_factory
 
 _local = threading.local()
 _tokens = itertools.count(1)
@@ -56,17 +59,86 @@ _interned: collections.OrderedDict = collections.OrderedDict()
 _INTERNED_MAX = 256
 
 
-def content_token(content: Any) -> int:
-    """One token per configuration content: equal hooks, capture specs and transform share it.
+class _Same:
+    """Equal only to itself: an object compared by identity, kept alive so that its id is not reused."""
 
-    So a transform built anew on every call (``vk.grad(loss, hooks=h)(...)`` in a loop) reuses
-    the traces and compiled inner calls of the previous ones. Unhashable content gets a fresh
-    token. The table keeps the last 256 contents (their hooks stay alive that long).
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+_VALUES = (bool, int, str, bytes, type(None), type(Ellipsis))
+
+
+def canonical(obj: Any, depth: int = 0) -> Any:
+    """A hashable key equal for hooks that behave the same, so that their traces can be shared.
+
+    A hook made anew for each transform (``vk.scale(0.5)``, ``lambda rec: ...`` written in a
+    loop) is a new object of the same code: functions are keyed by their code, globals, defaults
+    and closure contents (eight functions deep), methods by function and object, tuples and
+    NamedTuples (``vk.HookTransform``, capture specs) by their items, ``vk.before`` by its hook,
+    ``vk.on_host(fn)`` by ``fn``, numbers and strings by type and value (floats by ``repr``:
+    ``-0.0`` is not ``0.0``). Anything else (arrays, lists, an ``on_host(fn, every=N > 1)``,
+    which counts its calls) is compared by identity.
     """
-    try:
-        hash(content)
-    except TypeError:
-        return new_token()
+    kind = type(obj)
+    if kind in _VALUES:
+        return (kind, obj)
+    if kind in (float, complex):
+        return (kind, repr(obj))
+    if isinstance(obj, tuple) and (kind is tuple or hasattr(obj, "_fields")):
+        return (kind, tuple(canonical(x, depth) for x in obj))
+    if kind is frozenset:
+        return (kind, frozenset(canonical(x, depth) for x in obj))
+    if isinstance(obj, types.FunctionType):
+        if depth >= 8:  # functions nested this deep (or a closure that holds itself)
+            return _Same(obj)
+        depth += 1
+        cells = []
+        for cell in obj.__closure__ or ():
+            try:
+                cells.append(canonical(cell.cell_contents, depth))
+            except ValueError:  # an empty cell
+                cells.append(_Same(cell))
+        extra = {**(obj.__kwdefaults__ or {}), **{f"__dict__.{k}": v for k, v in vars(obj).items()}}
+        return (
+            "function",
+            obj.__code__,
+            _Same(obj.__globals__),
+            canonical(obj.__defaults__, depth),
+            tuple(sorted((k, canonical(v, depth)) for k, v in extra.items())),
+            tuple(cells),
+        )
+    if isinstance(obj, types.MethodType):
+        return ("method", canonical(obj.__func__, depth), _Same(obj.__self__))
+    if isinstance(obj, types.BuiltinMethodType) and not isinstance(obj.__self__, types.ModuleType):
+        return ("builtin method", obj.__name__, _Same(obj.__self__))  # records.append: new each time
+    if isinstance(obj, functools.partial):
+        keywords = tuple(sorted((k, canonical(v, depth)) for k, v in obj.keywords.items()))
+        return ("partial", canonical(obj.func, depth), canonical(obj.args, depth), keywords)
+    if kind is before:
+        return ("before", canonical(obj.hook, depth))
+    if is_deferred(obj) and getattr(obj, "every", None) == 1:  # vk.on_host(fn): counts nothing
+        return ("on_host", canonical(obj.fn, depth))
+    return _Same(obj)
+
+
+def content_token(content: Any) -> int:
+    """One token per configuration content: hooks that behave the same share it (``canonical``).
+
+    So a transform built anew on every call (``vk.grad(loss, hooks={"fc*": vk.scale(0.5)})(...)``
+    in a loop) reuses the traces and compiled inner calls of the previous ones, and a different
+    configuration never does. The table keeps the last 256 contents (their objects stay alive
+    that long); an evicted content gets a fresh token when it comes back.
+    """
+    content = canonical(content)
     token = _interned.pop(content, None)
     if token is None:
         token = new_token()
