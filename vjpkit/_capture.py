@@ -9,7 +9,6 @@ histogram); with several, a dict ``{reduction name: value}``. Unchosen fields be
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._errors import ConfigError
+from ._names import matches_any
 from ._records import Cotangents
 
 FIELDS = ("params", "input", "output", "grad_output", "grad_input", "grad_params")
@@ -98,8 +98,9 @@ class CaptureSpec(NamedTuple):
     reduce: tuple[Any, ...] | None
     host: Any = None
 
-    def matches(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, glob) for glob in self.layers)
+    def matches(self, name: str, call: int = 0) -> bool:
+        """Whether the globs choose call ``call`` of layer ``name`` (``_names.matches``)."""
+        return matches_any(name, call, self.layers)
 
 
 def _reduction(r: Any) -> Any:

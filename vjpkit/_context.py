@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fnmatch
 import functools
 import itertools
 import threading
@@ -39,6 +38,7 @@ import jax
 
 from ._errors import ConfigError
 from ._hook_base import before, inner, is_deferred, is_factory
+from ._names import call_keys, matches, split_key
 
 _local = threading.local()
 _tokens = itertools.count(1)
@@ -171,28 +171,42 @@ class Config:
             content = (self.hooks, self.capture, self.transform, self.match)
             object.__setattr__(self, "token", content_token(content))
 
-    def hooks_for(self, name: str) -> tuple[Callable, ...]:
-        """All hooks whose glob matches ``name``, in the order they were given."""
-        return tuple(h for glob, hooks in self.hooks if fnmatch.fnmatchcase(name, glob) for h in hooks)
+    def hooks_for(self, name: str, call: int = 0) -> tuple[Callable, ...]:
+        """All hooks whose glob matches call ``call`` of ``name`` (``_names.matches``), in order."""
+        return tuple(h for glob, hooks in self.hooks if matches(name, call, glob) for h in hooks)
 
-    def capture_for(self, name: str) -> Any:
-        """The first capture spec whose globs match ``name``, or ``None``."""
-        return next((spec for spec in self.capture if spec.matches(name)), None)
+    def capture_for(self, name: str, call: int = 0) -> Any:
+        """The first capture spec whose globs match call ``call`` of ``name``, or ``None``."""
+        return next((spec for spec in self.capture if spec.matches(name, call)), None)
 
     def check_matched(self, names: Sequence[str]) -> None:
-        """Raises if a glob matched none of the layer ``names`` called in the traced function."""
+        """Raises if a glob matched none of the layer calls of ``names`` (forward order, a name
+        once per call) made in the traced function."""
         globs = [glob for glob, _ in self.hooks] + [g for spec in self.capture for g in spec.layers]
-        missing = [g for g in globs if not any(fnmatch.fnmatchcase(n, g) for n in names)]
+        keys = call_keys(names)
+        missing = [g for g in globs if not any(matches(*split_key(k), g) for k in keys)]
         if not missing:
             return
-        unique = sorted(set(names))
-        available = ", ".join(repr(n) for n in unique) if unique else "none: no vjpkit layer ran"
+        available = _listed(keys) if keys else "none: no vjpkit layer ran"
         raise ConfigError(
             f"{self.transform}: the hook or capture glob(s) {', '.join(map(repr, dict.fromkeys(missing)))} "
             "matched no layer. "
             f"Layers called in this forward pass: {available}. Globs use fnmatch syntax on the full "
-            "layer path (for example 'fc*', 'block1/*' or '*/conv1'); fix or remove the glob."
+            "layer path (for example 'fc*', 'block1/*' or '*/conv1') and match every call of a "
+            "layer; 'name#k' matches its k-th later call only ('emb#1'). Fix or remove the glob."
         )
+
+
+def _listed(keys: Sequence[str]) -> str:
+    """The call keys, sorted, each layer's calls after its second as ``...`` and the last one."""
+    calls: dict[str, list[str]] = {}
+    for k in keys:
+        calls.setdefault(split_key(k)[0], []).append(k)
+    shown = []
+    for name in sorted(calls):
+        ks = calls[name]
+        shown += [repr(k) for k in ks] if len(ks) <= 3 else [repr(ks[0]), repr(ks[1]), "...", repr(ks[-1])]
+    return ", ".join(shown)
 
 
 class _Layers:

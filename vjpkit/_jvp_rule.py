@@ -115,7 +115,7 @@ def hooked_call(
         >>> out = hooked_call(scope, dense_fn, "fc1", params, (x,), {})
     """
     index = scope.register(name)
-    hooks = scope.config.hooks_for(name)
+    hooks = scope.config.hooks_for(name, index)
     if not hooks:
         return fn(params, *inputs, **kwargs)
     dynamic_kw, static_kw = split_kwargs(kwargs)

@@ -199,8 +199,8 @@ class Plan:
         self.counts[name] = call + 1
         key = call_key(name, call)
         config = self.config
-        hooks = config.hooks_for(name)
-        spec = config.capture_for(name)
+        hooks = config.hooks_for(name, call)
+        spec = config.capture_for(name, call)
         record = _record_avals(span.layout, eqn, ins, name, call)
         host = tuple(h for h in hooks if getattr(h, "deferred", False))
         state = self.handlers.state(hooks, record, key)

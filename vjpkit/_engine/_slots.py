@@ -223,7 +223,7 @@ def deliver(
     for i, spec in enumerate(config.capture):
         if spec.host is None:
             continue
-        mine = {k: v for k, v in captured.items() if spec.matches(v.name)}
+        mine = {k: v for k, v in captured.items() if spec.matches(v.name, v.call)}
         if i in counted:
             count = host[f"capture[{i}]"]["count"]
             token = spec.host.send(mine, jnp.mod(count, spec.host.every) == 0, token)

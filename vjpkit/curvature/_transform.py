@@ -18,7 +18,6 @@ Hooks are not allowed beside curvature statistics: the curvature passes would ru
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ from .. import _autodiff, _capture, _engine, _format
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
+from .._names import matches_any
 from . import _examples, _losses
 from ._stats import DIAGONAL, FACTORS, FIRST_ORDER, StatsSpec, layer_stats, local_stats
 from ._types import LayerCurvature, Layout
@@ -134,7 +134,7 @@ def transform(
         result_captured = {}
         for k, rec in captured.items():
             site = traced.plan.by_key[k]
-            spec = next((s for s in specs if any(fnmatch.fnmatchcase(site.name, g) for g in s.layers)), None)
+            spec = next((s for s in specs if matches_any(site.name, site.call, s.layers)), None)
             if spec is None or site.spec is not raw:
                 result_captured[k] = rec
                 continue

@@ -28,7 +28,6 @@ after an optimizer step. Everything is float32.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -39,6 +38,7 @@ import optax
 from .._capture import histogram as _histogram
 from .._errors import ConfigError
 from .._format import path as _path_name
+from .._names import matches_any
 from ._per_example import _check_conv, _check_reduction, analyze
 
 __all__ = ["LayerStats", "gradient_stats", "update_ratio"]
@@ -115,8 +115,8 @@ def gradient_stats(
     if not callable(loss_fn):
         raise ConfigError(f"{who}: loss_fn must be callable, got {type(loss_fn).__name__}.")
 
-    def matches(name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, g) for g in globs)
+    def matches(name: str) -> bool:  # a layer as a whole: its statistics sum all its calls
+        return matches_any(name, None, globs)
 
     def stats_fn(params, *batch):
         a = analyze(
@@ -145,6 +145,12 @@ def gradient_stats(
             raise ConfigError(
                 f"{who}: the glob(s) {list(globs)} match no layer with parameters. Layers with "
                 f"parameters: {with_params or 'none: no vjpkit layer uses params'}."
+                + (
+                    " The statistics are per layer, over all its calls: a glob 'name#k' chooses "
+                    "one call, so use 'name' (or 'name#*')."
+                    if any("#" in g for g in globs)
+                    else ""
+                )
             )
         grads = jax.tree.leaves(a.grads)
         mean_scale = 1.0 if reduction == "mean" else 1.0 / a.batch_size
