@@ -27,9 +27,13 @@ weight's own path when they share none (flat ``{"w1", "b1"}``); params are keyed
 the name, or by their full path when the name is the weight's own. Walked into ``lax.scan``
 (a stacked leaf passed as ``xs`` is a plain parameter per iteration), ``lax.cond`` branches,
 inner ``jax.jit`` and ``jax.checkpoint`` bodies; explicit layer calls (``vjpkit_layer``) are
-left to their source. A parameter computation that reaches D other than through a layer
-(weight decay in the loss, a ``custom_vjp`` function, an output) is an *other use*, listed
-with the leaves it reads, so that records plus other uses account for every gradient.
+left to their source. A leaf enters a nested program as a leaf only as it is (a scan's carry
+only when the body returns it unchanged): a parameter computation made outside the nested
+program (``W.T``, a cast, ``W[i]``, LoRA's sum) or changed in a carry is a *copy* there, never a
+layer's weight, as its record would hold the copy's gradient under the leaf's path. A
+parameter computation that reaches D other than through a layer (weight decay in the loss, a
+``custom_vjp`` function, an output, a copy's use with data) is an *other use*, listed with the
+leaves it reads, so that records plus other uses account for every gradient.
 """
 
 from __future__ import annotations
@@ -57,10 +61,13 @@ K = "concrete"  # a concrete value closed over: data or a constant (an eager tra
 
 class P(NamedTuple):
     """The class of a parameter computation: the leaves it reads; ``plain``: the leaf it is, up
-    to reshapes, casts, broadcasts and slices, or ``None``."""
+    to reshapes, casts, broadcasts and slices, or ``None``; ``copy``: computed from a value that
+    entered this nested program other than as a leaf itself (``W.T``, a cast, a slice, LoRA's
+    sum made outside, a weight changed in a scan's carry), so never a layer's weight here."""
 
     leaves: frozenset
     plain: int | None
+    copy: bool = False
 
 
 class OtherUse(NamedTuple):
@@ -79,7 +86,9 @@ _LAYERS = frozenset({"dot_general", "conv_general_dilated", "gather"})
 _AFFINE = frozenset({"mul", "add"})
 _BIASED = frozenset({"dot_general", "conv_general_dilated", "mul"})  # a bias add joins these
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
-_CALL_CACHE: dict = {}  # (id(program), classes, leaf paths) -> (program, rewritten, out classes, other uses)
+_CALL_NAMES = {"pjit": "jit", "remat2": "checkpoint"}  # as an other use's ``where`` says them
+# (id(program), classes, leaf paths, where) -> (program, rewritten, out classes, other uses)
+_CALL_CACHE: dict = {}
 
 
 def _join(classes: Sequence, transparent: bool = False) -> Any:
@@ -89,7 +98,19 @@ def _join(classes: Sequence, transparent: bool = False) -> Any:
     if not ps:
         return K if any(c is K for c in classes) else None
     leaves = frozenset().union(*(p.leaves for p in ps))
-    return P(leaves, ps[0].plain if transparent and len(ps) == 1 else None)
+    copy = any(p.copy for p in ps)
+    return P(leaves, ps[0].plain if transparent and len(ps) == 1 and not copy else None, copy)
+
+
+def _copy(c: Any) -> Any:
+    """``c`` as the class of a parameter computation made outside the program it is used in."""
+    return P(c.leaves, None, True) if isinstance(c, P) else c
+
+
+def _outer(c: Any) -> Any:
+    """A nested program's output class as its caller sees it: a copy there is computed by the
+    nested equation, which a span can hold whole."""
+    return P(c.leaves, c.plain) if isinstance(c, P) and c.copy else c
 
 
 def _is_lit(a: Any) -> bool:
@@ -106,6 +127,9 @@ class _Matcher:
         env: dict[Any, Any] = {}
         env.update(zip(jaxpr.constvars, const_cls))
         env.update(zip(jaxpr.invars, in_cls))
+        # the inputs that are parameter leaves as they are (the top level's, or passed into this
+        # nested program as they are): only these enter a nested program as leaves
+        leaves = {v for v, c in env.items() if isinstance(c, P) and c.plain is not None}
 
         def cls(a):
             return None if _is_lit(a) else env.get(a)
@@ -115,7 +139,7 @@ class _Matcher:
         layers: list[int] = []
         for i, eqn in enumerate(eqns):
             ins = [cls(a) for a in eqn.invars]
-            outs, replaced = self.classify(eqn, ins, where, rewrite)
+            outs, replaced = self.classify(eqn, ins, where, rewrite, leaves)
             if replaced is not None:
                 new_eqns[i] = replaced
             if outs == "layer":
@@ -129,7 +153,7 @@ class _Matcher:
             if isinstance(c, P) and not where:  # returned by the function
                 self.other_use(c, "output", where)
         if layers:
-            new_eqns = _live(self.spans(jaxpr, eqns, new_eqns, layers, cls), jaxpr.outvars)
+            new_eqns = _live(self.spans(jaxpr, eqns, new_eqns, layers, cls, where), jaxpr.outvars)
             jaxpr = jaxpr.replace(eqns=new_eqns)
         elif any(a is not b for a, b in zip(new_eqns, eqns)):
             jaxpr = jaxpr.replace(eqns=new_eqns)
@@ -142,16 +166,24 @@ class _Matcher:
         if use not in self.other:
             self.other.append(use)
 
-    def classify(self, eqn: Any, ins: list, where: str, rewrite: bool) -> tuple[Any, Any]:
-        """``(out classes or "layer", replacement equation or None)``."""
+    def classify(self, eqn: Any, ins: list, where: str, rewrite: bool, leaves: set) -> tuple[Any, Any]:
+        """``(out classes or "layer", replacement equation or None)``. ``leaves``: this program's
+        variables that are parameter leaves as they are."""
         name = eqn.primitive.name
         if eqn.primitive is layer_p or eqn.primitive is match_p:  # left to its source
             return [D] * len(eqn.outvars), None
+        nested = name in ("scan", "cond") or (name in _CALLS and _CALLS[name] in eqn.params)
+        if nested:
+            # a parameter computation made here (W.T, a cast, W[i], LoRA's sum) is a copy inside
+            # the nested program: its record there would hold the copy's gradient under the
+            # leaf's path. Its uses there with data are other uses; its uses here, as the nested
+            # equation's outputs, are matched here (a span holds the nested equation whole)
+            ins = [c if _is_lit(a) or a in leaves else _copy(c) for a, c in zip(eqn.invars, ins)]
         if name == "scan":
-            return self.scan(eqn, ins, where, rewrite)
+            return self.scan(eqn, ins, where, rewrite, [not _is_lit(a) and a in leaves for a in eqn.invars])
         if name == "cond":
             return self.cond(eqn, ins, where, rewrite)
-        if name in _CALLS and _CALLS[name] in eqn.params:
+        if nested:
             return self.call(eqn, ins, where, rewrite)
         if _layer_roles(eqn, ins) is not None:
             return "layer", None
@@ -167,10 +199,13 @@ class _Matcher:
         inner = eqn.params[key]
         # JAX reuses an inner jit's program across traces: so does the rewrite, which keeps the
         # eager engine's compiled-call cache (keyed by the program's identity) warm
+        here = _CALL_NAMES.get(eqn.primitive.name, eqn.primitive.name)
+        here = f"{where}/{here}" if where else here
         memo = (
             id(inner),
             tuple(ins),
             tuple(self.paths[k] for c in ins if isinstance(c, P) for k in c.leaves),
+            here,
         )
         hit = _CALL_CACHE.get(memo) if rewrite else None
         if hit is not None and hit[0] is inner:
@@ -181,7 +216,8 @@ class _Matcher:
             closed = isinstance(inner, jcore.ClosedJaxpr)
             jaxpr = inner.jaxpr if closed else inner
             before = len(self.other)
-            new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), where, rewrite)
+            new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), here, rewrite)
+            outs = [_outer(c) for c in outs]
             value = inner if new is jaxpr else _compat.closed_jaxpr(new, inner.consts) if closed else new
             if rewrite:
                 if len(_CALL_CACHE) >= 256:
@@ -191,20 +227,25 @@ class _Matcher:
             return outs, None
         return outs, eqn.replace(params={**eqn.params, key: value})
 
-    def scan(self, eqn, ins, where, rewrite):
+    def scan(self, eqn, ins, where, rewrite, leaf: list[bool]):
         params = eqn.params
         nc, ncar = _compat.scan_split(params)
         body = params["jaxpr"]
         consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+        # a carry is the leaf in every iteration only when it enters as the leaf and the body
+        # returns it unchanged; any other parameter carry (``w * 0.99``) is a copy in the body
+        kept = [leaf[nc + i] and body.jaxpr.outvars[i] is body.jaxpr.invars[nc + i] for i in range(ncar)]
+        carry = [c if k else _copy(c) for c, k in zip(carry, kept)]
         const_cls = [None] * len(body.jaxpr.constvars)
         here = f"{where}/scan" if where else "scan"
         while True:  # the carry's classes to a fixed point
             _, outs = self.walk(body.jaxpr, consts + carry + xs, const_cls, here, False)
-            new = [_join([a, b]) if a != b else a for a, b in zip(carry, outs[:ncar])]
+            new = [a if a == b else _copy(_join([a, b])) for a, b in zip(carry, outs[:ncar])]
             if new == carry:
                 break
             carry = new
         jaxpr, outs = self.walk(body.jaxpr, consts + carry + xs, const_cls, here, rewrite)
+        outs = [_outer(c) for c in outs]
         if jaxpr is body.jaxpr:
             return outs, None
         return outs, eqn.replace(params={**params, "jaxpr": _compat.closed_jaxpr(jaxpr, body.consts)})
@@ -214,6 +255,7 @@ class _Matcher:
         branches, outs = [], None
         for br in eqn.params["branches"]:
             jaxpr, o = self.walk(br.jaxpr, ins[1:], [None] * len(br.jaxpr.constvars), here, rewrite)
+            o = [_outer(c) for c in o]
             branches.append(_compat.closed_jaxpr(jaxpr, br.consts))
             outs = o if outs is None else [_join([a, b]) for a, b in zip(outs, o)]
         if all(b.jaxpr is br.jaxpr for b, br in zip(branches, eqn.params["branches"])):
@@ -221,7 +263,7 @@ class _Matcher:
         return outs, eqn.replace(params={**eqn.params, "branches": tuple(branches)})
 
     # -- spans: each layer equation (and what joins it) becomes one vjpkit_matched equation
-    def spans(self, jaxpr, eqns, new_eqns, layers, cls) -> list:
+    def spans(self, jaxpr, eqns, new_eqns, layers, cls, where: str) -> list:
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         users: dict[Any, list[int]] = {}
         for i, e in enumerate(eqns):
@@ -243,7 +285,11 @@ class _Matcher:
             joined = self.joined(i, eqns, users, cls)
             consumed.update(joined)
             last = joined[-1] if joined else i
-            new_eqns[last] = self.span(eqns, producer, cls, i, w, x, joined)
+            new = self.span(eqns, producer, cls, i, w, x, joined, where)
+            if new is None:  # no parameter leaf in reach: no record (the use is an other use)
+                new_eqns[i] = eqn
+                continue
+            new_eqns[last] = new
             for j in (i, *joined):
                 if j != last:
                     new_eqns[j] = None
@@ -269,7 +315,10 @@ class _Matcher:
             out = e.outvars[0]
         return chain
 
-    def span(self, eqns, producer, cls, i, w, x, joined) -> Any:
+    def span(self, eqns, producer, cls, i, w, x, joined, where: str) -> Any:
+        """The layer ``i`` and its joins as one ``vjpkit_matched`` equation, or ``None`` when
+        its span reads no parameter leaf of this program (its weight was computed together with
+        data, by a nested program that returns both: an other use)."""
         eqn = eqns[i]
         body: set[int] = {i, *joined}
         weights, prev = [eqn.invars[w]], eqn.outvars[0]
@@ -286,6 +335,11 @@ class _Matcher:
         # operands: params (P inputs of this program, keyed by path), the rest hoisted
         params_vars = [v for v in bound if isinstance(cls(v), P) and v not in producer]
         hoisted = [v for v in bound if v not in params_vars]
+        for v in hoisted:  # a parameter computation made with data (an inner jit returning both)
+            if isinstance(cls(v), P):
+                self.other_use(cls(v), eqn.primitive.name, where)
+        if not params_vars:
+            return None
         keys = [self.key(cls(v)) for v in params_vars]
         weight_cls = cls(eqn.invars[w])
         name, rel = _name(keys, self.key(weight_cls) if weight_cls.plain is not None else None)
@@ -386,7 +440,7 @@ def _layer_roles(eqn: Any, ins: Sequence) -> tuple[int, int] | None:
         if isinstance(a, P) == isinstance(b, P):
             return None
         w = 0 if isinstance(a, P) else 1
-        if name == "gather" and w != 0:
+        if (name == "gather" and w != 0) or ins[w].copy:  # a copy made outside: an other use
             return None
         return None if _is_lit(eqn.invars[1 - w]) else (w, 1 - w)
     if name in _AFFINE and len(ins) == 2:
