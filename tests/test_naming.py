@@ -184,3 +184,101 @@ def test_plain_weight_used_twice_hook_and_capture(maybe_jit):
     tree_allclose(rec.output, z1, rtol=RTOL, atol=ATOL)
     tree_allclose(rec.grad_params, gp1, rtol=RTOL, atol=ATOL)  # as rewritten
     tree_allclose(grads, {"fc": jax.tree.map(jnp.add, gp0, gp1)}, rtol=RTOL, atol=ATOL)
+
+
+# -------------------------------------------------------------------------- plain-JAX names
+
+
+def _captured_names(loss, params, *args, maybe_jit=lambda f: f):
+    grads, captured = maybe_jit(vk.grad(loss, capture="*"))(params, *args)
+    tree_allclose(grads, jax.grad(loss)(params, *args), rtol=RTOL, atol=ATOL)
+    return captured
+
+
+def test_single_weight_module_is_named_by_module(maybe_jit):
+    """``{"fc": {"w": W}}`` is the layer ``fc`` with params ``{"w"}``, as ``{"fc": {"w", "b"}}`` is."""
+    params = {
+        "fc": {"w": _normal(7, (3, 5))},
+        "out": {"w": _normal(8, (5, 2))},
+        "Dense_0": {"kernel": _normal(9, (2, 2))},
+    }
+    x = _normal(10, (4, 3))
+
+    def loss(p, x):
+        h = jnp.tanh(x @ p["fc"]["w"])
+        return jnp.sum((jnp.tanh(h @ p["out"]["w"]) @ p["Dense_0"]["kernel"]) ** 2)
+
+    captured = _captured_names(loss, params, x, maybe_jit=maybe_jit)
+    assert sorted(captured) == ["Dense_0", "fc", "out"]
+    ref = jax.grad(loss)(params, x)
+    for name, rec in captured.items():
+        tree_allclose(rec.params, params[name])
+        tree_allclose(rec.grad_params, ref[name], rtol=RTOL, atol=ATOL)
+    x_fc = captured["out"].input
+    tree_allclose(x_fc, jnp.tanh(x @ params["fc"]["w"]), rtol=RTOL, atol=ATOL)
+
+
+def test_single_weight_used_twice_hook_by_call_key(maybe_jit):
+    """An embedding table looked up twice: ``emb`` and ``emb#1``; a hook on ``emb#1`` rewrites
+    that call's gradient only (hand chain: jax.vjp of each lookup)."""
+    table = _normal(11, (6, 3))
+    params = {"emb": {"table": table}}
+    ids0, ids1 = jnp.array([0, 1, 2, 1]), jnp.array([3, 3, 5, 0])
+    w_out = _normal(12, (4, 3))
+
+    def loss(p, a, b):
+        t = p["emb"]["table"]
+        return jnp.sum(w_out * jnp.tanh(t[a] * t[b]))
+
+    e0, vjp0 = jax.vjp(lambda t: t[ids0], table)
+    e1, vjp1 = jax.vjp(lambda t: t[ids1], table)
+    _, vjp_out = jax.vjp(lambda u, v: jnp.tanh(u * v), e0, e1)
+    g0, g1 = vjp_out(w_out)
+    (gt0,) = vjp0(g0)
+    (gt1,) = vjp1(g1)
+    seen = []
+
+    def hook(rec):
+        seen.append(rec.key)
+        return rec.replace(grad_params=jax.tree.map(lambda g: g * 0.5, rec.grad_params))
+
+    grads, captured = maybe_jit(vk.grad(loss, hooks={"emb#1": hook}, capture="emb*"))(params, ids0, ids1)
+    assert set(seen) == {"emb#1"} and sorted(captured) == ["emb", "emb#1"]
+    tree_allclose(captured["emb"].grad_params, {"table": gt0}, rtol=RTOL, atol=ATOL)
+    tree_allclose(captured["emb#1"].grad_params, {"table": gt1 * 0.5}, rtol=RTOL, atol=ATOL)
+    tree_allclose(grads, {"emb": {"table": gt0 + 0.5 * gt1}}, rtol=RTOL, atol=ATOL)
+    with pytest.raises(vk.ConfigError, match=r"'emb#5'.*'emb', 'emb#1'"):
+        vk.grad(loss, hooks={"emb#5": hook})(params, ids0, ids1)
+
+
+def test_single_weight_name_kept_when_module_name_collides(maybe_jit):
+    """Two layers with other params would both be ``fc``: they keep their leaf paths."""
+    x = _normal(13, (4, 3))
+    two = {"fc": {"w": _normal(14, (3, 3)), "v": _normal(15, (3, 3))}}
+
+    def apart(p, x):  # fc/w and fc/v are separate layers
+        return jnp.sum(jnp.tanh(x @ p["fc"]["w"]) * (x @ p["fc"]["v"]))
+
+    captured = _captured_names(apart, two, x, maybe_jit=maybe_jit)
+    assert sorted(captured) == ["fc/v", "fc/w"]
+    ref = jax.grad(apart)(two, x)
+    tree_allclose(captured["fc/w"].grad_params, {"fc/w": ref["fc"]["w"]}, rtol=RTOL, atol=ATOL)
+    tree_allclose(captured["fc/v"].grad_params, {"fc/v": ref["fc"]["v"]}, rtol=RTOL, atol=ATOL)
+
+    stacked = {"layers": [_normal(16, (3, 3)), _normal(17, (3, 3))]}
+    captured = _captured_names(
+        lambda p, x: jnp.sum(jnp.tanh(x @ p["layers"][0]) @ p["layers"][1]), stacked, x
+    )
+    assert sorted(captured) == ["layers/0", "layers/1"]
+
+    biased = {"fc": {"w": _normal(18, (3, 3)), "b": _normal(19, (3,))}}
+
+    def reuse(p, x):  # fc is x @ w + b; the second use of w alone is another layer
+        h = jnp.tanh(x @ p["fc"]["w"] + p["fc"]["b"])
+        return jnp.sum(jnp.tanh(h @ p["fc"]["w"]))
+
+    captured = _captured_names(reuse, biased, x, maybe_jit=maybe_jit)
+    assert sorted(captured) == ["fc", "fc/w"]
+    assert sorted(captured["fc"].params) == ["b", "w"] and sorted(captured["fc/w"].params) == ["fc/w"]
+    summed = captured["fc"].grad_params["w"] + captured["fc/w"].grad_params["fc/w"]
+    tree_allclose(summed, jax.grad(reuse)(biased, x)["fc"]["w"], rtol=RTOL, atol=ATOL)

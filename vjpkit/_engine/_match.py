@@ -24,7 +24,11 @@ The span of a layer is its equation with the whole computation of its P operands
 parameter leaves (a cast, a transpose, LoRA's ``W + A @ B``); the span's params are the leaves
 it reads, keyed by their path. Its name is the longest common path of those leaves, or the
 weight's own path when they share none (flat ``{"w1", "b1"}``); params are keyed relative to
-the name, or by their full path when the name is the weight's own. Walked into ``lax.scan``
+the name, or by their full path when the name is the weight's own. A span of one leaf in a
+module is named by the module (``{"fc": {"w": W}}``: ``fc`` with params ``{"w"}``, as Flax's
+``Dense_0/kernel`` is ``Dense_0``), unless another layer with other params would have that name
+(``fc/w`` and ``fc/v`` used apart, ``layers/0`` and ``layers/1``): then it keeps the leaf's path.
+Walked into ``lax.scan``
 (a stacked leaf passed as ``xs`` is a plain parameter per iteration), ``lax.cond`` branches,
 inner ``jax.jit`` and ``jax.checkpoint`` bodies; explicit layer calls (``vjpkit_layer``) are
 left to their source. A leaf enters a nested program as a leaf only as it is (a scan's carry
@@ -121,6 +125,8 @@ def _is_lit(a: Any) -> bool:
 class _Matcher:
     paths: Sequence[str]
     other: list = dataclasses.field(default_factory=list)
+    long: frozenset = frozenset()  # module names single-weight spans must not take (collisions)
+    named: list = dataclasses.field(default_factory=list)  # (name, leaf keys, named by its module)
 
     # -- one program: classify every value (recursing into nested programs), then rewrite
     def walk(self, jaxpr: Any, in_cls: Sequence, const_cls: Sequence, where: str, rewrite: bool):
@@ -207,22 +213,24 @@ class _Matcher:
             tuple(self.paths[k] for c in ins if isinstance(c, P) for k in c.leaves),
             here,
         )
+        memo = (*memo, self.long)  # the names of the spans inside depend on it
         hit = _CALL_CACHE.get(memo) if rewrite else None
         if hit is not None and hit[0] is inner:
-            _, value, outs, other = hit
+            _, value, outs, other, named = hit
             for use in other:
                 self.other_use_exact(use)
+            self.named += named
         else:
             closed = isinstance(inner, jcore.ClosedJaxpr)
             jaxpr = inner.jaxpr if closed else inner
-            before = len(self.other)
+            before, named_before = len(self.other), len(self.named)
             new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), here, rewrite)
             outs = [_outer(c) for c in outs]
             value = inner if new is jaxpr else _compat.closed_jaxpr(new, inner.consts) if closed else new
             if rewrite:
                 if len(_CALL_CACHE) >= 256:
                     _CALL_CACHE.pop(next(iter(_CALL_CACHE)))
-                _CALL_CACHE[memo] = (inner, value, outs, self.other[before:])
+                _CALL_CACHE[memo] = (inner, value, outs, self.other[before:], self.named[named_before:])
         if value is inner:
             return outs, None
         return outs, eqn.replace(params={**eqn.params, key: value})
@@ -342,7 +350,8 @@ class _Matcher:
             return None
         keys = [self.key(cls(v)) for v in params_vars]
         weight_cls = cls(eqn.invars[w])
-        name, rel = _name(keys, self.key(weight_cls) if weight_cls.plain is not None else None)
+        name, rel = _name(keys, self.key(weight_cls) if weight_cls.plain is not None else None, self.long)
+        self.named.append((name, frozenset(keys), len(keys) == 1 and name != keys[0]))
         order = sorted(range(len(keys)), key=lambda k: rel[k])
         params = {rel[k]: 0 for k in order}
         pvars = [params_vars[k] for k in order]
@@ -451,8 +460,9 @@ def _layer_roles(eqn: Any, ins: Sequence) -> tuple[int, int] | None:
     return None
 
 
-def _name(keys: Sequence[str], weight: str | None) -> tuple[str, list[str]]:
-    """The call's name and each key relative to it (see the module contract)."""
+def _name(keys: Sequence[str], weight: str | None, long: frozenset = frozenset()) -> tuple[str, list[str]]:
+    """The call's name and each key relative to it (see the module contract). ``long``: module
+    names a single-leaf span may not take (another layer has that name)."""
     parts = [k.split("/") for k in keys]
     common: list[str] = []
     for level in zip(*parts):
@@ -460,6 +470,9 @@ def _name(keys: Sequence[str], weight: str | None) -> tuple[str, list[str]]:
             break
         common.append(level[0])
     name = "/".join(common)
+    module, _, leaf = name.rpartition("/")
+    if len(keys) == 1 and module and module not in long:  # {"fc": {"w": W}}: the layer fc
+        return module, [leaf]
     if not name or name in keys:  # no shared container: the weight's own path, full keys
         return (weight or keys[0]), list(keys)
     return name, [k[len(name) + 1 :] for k in keys]
@@ -564,6 +577,14 @@ def _broadcast_source(
     return v, between
 
 
+def _collisions(named: Sequence[tuple[str, frozenset, bool]]) -> frozenset:
+    """The module names given to single-weight spans that a layer with other params also has."""
+    params: dict[str, set] = {}
+    for name, keys, _ in named:
+        params.setdefault(name, set()).add(keys)
+    return frozenset(name for name, _, by_module in named if by_module and len(params[name]) > 1)
+
+
 def enabled() -> bool:
     """Whether matching is on by default (``VJPKIT_MATCH=0`` turns it off for the process)."""
     return os.environ.get("VJPKIT_MATCH", "1") != "0"
@@ -582,6 +603,10 @@ def rewrite(closed: Any, paths: Sequence[str | None]) -> tuple[Any, list[OtherUs
     # constants: an eager trace computes everything that does not depend on the parameters
     consts = [D if isinstance(c, jax.core.Tracer) else K for c in closed.consts]
     new, _ = m.walk(jaxpr, in_cls, consts, "", True)
+    long = _collisions(m.named)
+    if long:  # single-weight spans named by a module another layer is named by: keep their paths
+        m = _Matcher(list(paths), long=long)
+        new, _ = m.walk(jaxpr, in_cls, consts, "", True)
     if new is jaxpr:
         return closed, m.other
     return _compat.closed_jaxpr(new, closed.consts), m.other
