@@ -17,7 +17,6 @@ reduction) raises ``vjpkit.ConfigError`` saying what was expected and what to pa
 
 from __future__ import annotations
 
-import fnmatch
 import io
 import math
 import pathlib
@@ -31,6 +30,7 @@ import numpy as np
 from .. import _format
 from .._capture import REDUCTION_NAMES, histogram
 from .._errors import ConfigError
+from .._names import matches_key
 from .._records import Cotangents
 
 DPI = 120
@@ -168,9 +168,9 @@ def _select(keys: Iterable[str], layers: str | Sequence[str] | None, known: Iter
     globs = [layers] if isinstance(layers, str) else list(layers)
     chosen: list[str] = []
     for glob in globs:
-        if not any(fnmatch.fnmatchcase(k, glob) for k in everything):
+        if not any(matches_key(k, glob) for k in everything):
             raise ConfigError(f"layers: {glob!r} matches no layer; the records have {everything}.")
-        chosen += [k for k in keys if fnmatch.fnmatchcase(k, glob) and k not in chosen]
+        chosen += [k for k in keys if matches_key(k, glob) and k not in chosen]
     if not chosen:
         raise ConfigError(f"layers: {layers!r} selects no layer with something to draw among {keys}.")
     return chosen
