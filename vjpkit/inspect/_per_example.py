@@ -41,8 +41,15 @@ Each parameter leaf gets its per-example gradient one of these ways:
   weight sharing (a layer called twice, one array given to two layers) is exact: the calls'
   contributions add per example. A leaf the program also uses anywhere else (a weight penalty
   in the loss, a transposed or cast copy given to a layer, a tied use such as ``Embed.attend``
-  inside a parent module, a ``lax.scan``) is found by walking the program and falls back (last
-  item), with a warning naming the leaf and that use.
+  inside a parent module, a ``while`` loop or ``cond`` branch) is found by walking the program
+  and falls back (last item), with a warning naming the leaf and that use.
+* layers called inside ``lax.scan`` (nested scans too) have one record per iteration, stacked
+  on a leading axis. A leaf the scans slice (given as ``xs``: weights stacked ``(L, ...)``) has
+  ``g_i`` whose slice ``k`` is iteration ``k``'s, so each path below runs per iteration,
+  mapped over the iterations (``||g_i||^2 = sum_k ||g_ik||^2``, the per-iteration ghost norms
+  for dense). A leaf the scans close over (the same weight every iteration) gets the sum over
+  iterations: each iteration is one more call (for dense, rows stacked on ``T``, so the norm
+  of the sum with its cross terms). A leaf sliced by some uses and not by others falls back.
 * dense (``weight (in, out)``, optional ``bias (out,)``, output ``input @ weight + bias`` on the
   last axis; Flax ``Dense``/``DenseGeneral``, NNX and Equinox ``Linear`` by their kind): from
   the records' ``input`` ``X_i`` and ``grad_output`` ``D_i`` of every call, example axis first,
@@ -73,10 +80,10 @@ Each parameter leaf gets its per-example gradient one of these ways:
   embedding looked up with ``arange``; found by dataflow from the batch) is lifted over the
   examples: broadcast and vmapped like the batch, so its calls become per-example calls and
   their ``grad_params`` are the ``g_i``, in the same single pass (``B * (its size)`` floats).
-* anything else (``nn.embedding``, ``nn.layer_norm``, custom layers, layers inside
-  ``lax.scan``, leaves used outside the layers' params, a leaf used both per example and by an
-  example-independent call) falls back to ``jax.vmap(jax.grad)`` of ``l_i`` with respect to those leaves
-  only, with a ``UserWarning`` naming each layer, its leaves and why. Exact, never silent.
+* anything else (``nn.embedding``, ``nn.layer_norm``, custom layers, leaves used outside
+  the layers' params, a leaf used both per example and by an example-independent call) falls
+  back to ``jax.vmap(jax.grad)`` of ``l_i`` with respect to those leaves only, with a
+  ``UserWarning`` naming each layer, its leaves and why. Exact, never silent.
 * a layer that mixes the examples of its input (batch statistics: ``nn.batch_norm`` with
   ``train=True``, Flax/NNX/Equinox ``BatchNorm`` in training mode) breaks the contract: its
   per-example gradients are not defined, and the call raises a ``ConfigError`` naming it.
@@ -107,7 +114,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from .. import _engine, _format
+from .. import _compat, _engine, _format
 from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import capture as _capture
 from .._errors import ConfigError
@@ -156,6 +163,10 @@ class _Call:
     layout: Any = None  # its operands' layout (_engine.Layout)
     record: Any = None  # its record's shapes in that program (the example axis has length 1)
     batched: bool = True  # some operand depends on the example (False: the same for all examples)
+    scans: tuple = ()  # lengths of the enclosing lax.scan s, outermost first (records stacked so)
+    # under scans, each params leaf it uses: "stacked" (sliced by every enclosing scan, as xs) or
+    # "const" (closed over by every one of them: the same array in every iteration)
+    modes: dict = dataclasses.field(default_factory=dict)
 
 
 def _per_example_loss(
@@ -212,6 +223,10 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
     n_inputs = len(traced.closed.jaxpr.invars)
     batched: set[int] = set()  # ids of the layer equations some example-dependent value reaches
     _batched_calls(traced.closed.jaxpr, [k >= n_leaves for k in range(n_inputs)], batched, {})
+    outside: dict[int, tuple[bool, str]] = {}
+    scanned: dict[int, dict[int, tuple[int, str]]] = {}
+    tags = [(k, "") if k < n_leaves else None for k in range(n_inputs)]
+    _walk_uses(traced.closed.jaxpr, tags, None, outside, {}, scanned)
     calls = []
     plan = traced.plan
     for key in plan.order:
@@ -219,7 +234,14 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
         n = site.layout.n_hoisted
         paths = jax.tree_util.tree_flatten_with_path(site.record.params)[0]
         entries, derived, order = {}, [], []
-        for (path, aval), origin, flag in zip(paths, site.origins[n:], site.flags[n:]):
+        origins, modes = list(site.origins), {}
+        if site.scans:  # inside lax.scan: the leaves given to the scans (as xs or consts)
+            origins = [None] * len(origins)
+            for k, (leaf, how) in scanned.get(id(site.eqn), {}).items():
+                if len(how) == len(site.scans) and k < len(origins):
+                    origins[k] = leaf
+                    modes[leaf] = "stacked" if how[0] == "s" else "const"
+        for (path, aval), origin, flag in zip(paths, origins[n:], site.flags[n:]):
             origin = origin if origin is not None and origin < n_leaves else None
             local_name = _format.path(path)
             if origin is None and flag:
@@ -234,12 +256,10 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
         call.container = plan.contains_calls(site)
         call.jaxpr, call.layout, call.record = site.span.jaxpr, site.layout, site.record
         call.batched = id(site.eqn) in batched or bool(site.scans) or site.in_cond
+        call.scans, call.modes = tuple(site.scans), modes
         if call.foreign is not None and call.foreign.kind in ("dense", "conv"):
             call.params = {call.foreign.roles.get(k, k): v for k, v in call.params.items()}
         calls.append(call)
-    outside: dict[int, tuple[bool, str]] = {}
-    tags = [k if k < n_leaves else None for k in range(n_inputs)]
-    _walk_uses(traced.closed.jaxpr, tags, None, outside, {})
     return calls, outside
 
 
@@ -274,10 +294,14 @@ _TRANSPARENT = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "c
                 "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}  # fmt: skip
 
 
-def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict) -> list:
-    """Records in ``out`` each params leaf (``tags``: the leaf index each input is, or None) that
-    ``jaxpr`` uses other than as the params of a layer call: ``(in a loop or branch, the use)``.
-    Returns the leaf index each output is (values passed through unchanged), or None."""
+def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict, scanned: dict) -> list:
+    """Records in ``out`` each params leaf that ``jaxpr`` uses other than as the params of a
+    layer call: ``{leaf index: (in a loop or branch, the use)}``. ``tags``: per input, ``(leaf
+    index, how)`` or None, where ``how`` has one letter per enclosing ``lax.scan`` the leaf was
+    given to, outermost first: ``"s"`` sliced (``xs``), ``"c"`` closed over (a const). A layer
+    call inside scans that takes a leaf as params given to every scan the same way is noted in
+    ``scanned``: ``{id(equation): {operand index: (leaf index, how)}}``. Returns the tag of each
+    output (values passed through unchanged), or None."""
     env = {v: t for v, t in zip(jaxpr.invars, tags) if t is not None}
 
     def read(a):
@@ -293,20 +317,41 @@ def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict
             n_params = span.layout.tree.children()[0].num_leaves
             for k, t in enumerate(ins):
                 if t is not None and k < n:
-                    out.setdefault(t, (False, f"closed over by layer {span.name!r} (not one of its params)"))
+                    out.setdefault(
+                        t[0], (False, f"closed over by layer {span.name!r} (not one of its params)")
+                    )
                 elif t is not None and k >= n + n_params:
-                    out.setdefault(t, (False, f"given to layer {span.name!r} as an input, not as its params"))
+                    out.setdefault(
+                        t[0], (False, f"given to layer {span.name!r} as an input, not as its params")
+                    )
+                elif t is not None and t[1] and len(set(t[1])) == 1:
+                    scanned.setdefault(id(eqn), {})[k] = t
+                elif t is not None and t[1]:
+                    out.setdefault(
+                        t[0], (True, "passed into nested 'scan's, sliced by some and closed over by others")
+                    )
             if _has_calls(span.jaxpr.jaxpr, cache):  # a parent module: its own code may use them too
-                _walk_uses(span.jaxpr.jaxpr, ins, span.name, out, cache)
+                _walk_uses(span.jaxpr.jaxpr, ins, span.name, out, cache, scanned)
             continue
         sub = eqn.params.get(_TRANSPARENT.get(eqn.primitive.name, ""))
         sub = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
         if isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
-            for v, t in zip(eqn.outvars, _walk_uses(sub, ins, where, out, cache)):
+            for v, t in zip(eqn.outvars, _walk_uses(sub, ins, where, out, cache, scanned)):
                 if t is not None:
                     env[v] = t
             continue
         prim = eqn.primitive.name
+        if prim == "scan":  # a leaf given as xs (sliced) or a const: its layer calls are per iteration
+            nc, ncar = _compat.scan_split(eqn.params)
+            carried = [t for t in ins[nc : nc + ncar] if t is not None]
+            for t in carried:
+                out.setdefault(
+                    t[0], (True, "carried through a 'scan' (its value changes between iterations)")
+                )
+            body = [(t[0], t[1] + ("c" if k < nc else "s")) if t is not None and k not in range(nc, nc + ncar)
+                    else None for k, t in enumerate(ins)]  # fmt: skip
+            _walk_uses(eqn.params["jaxpr"].jaxpr, body, where, out, cache, scanned)
+            continue
         if prim in ("scan", "while", "cond"):
             use = f"passed into a '{prim}' (a layer called in a loop or branch has no per-example record)"
         elif where:
@@ -318,7 +363,7 @@ def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict
             )
         for t in ins:
             if t is not None:
-                out.setdefault(t, (prim in ("scan", "while", "cond"), use))
+                out.setdefault(t[0], (prim in ("scan", "while", "cond"), use))
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -429,6 +474,21 @@ class _View:
     x_axes: list
     ds: list
     d_axes: list
+    iters: int | None = None  # a call under lax.scan: the leaves lead with the iterations' axis
+
+    def unstack(self) -> list[_View]:
+        """One view per iteration (the whole view when not under a scan)."""
+        if self.iters is None:
+            return [self]
+        return [
+            _View(
+                [x[k] for x in self.xs],
+                self.x_axes,
+                [None if d is None else d[k] for d in self.ds],
+                self.d_axes,
+            )
+            for k in range(self.iters)
+        ]
 
     def single(self) -> tuple[jax.Array, jax.Array] | None:
         """``(x, d)`` with the example axis first, for one batched input and one batched output."""
@@ -446,17 +506,26 @@ _NOT_PER_EXAMPLE = (
 
 
 def _view(call: _Call, rec: Any, batch_size: int) -> _View | str:
-    """The call's record as a ``_View``, or why it has none."""
+    """The call's record as a ``_View``, or why it has none. Under ``lax.scan`` the record is
+    stacked on the enclosing scans' lengths (outermost first): one leading axis in the view."""
     xs, one_x = jax.tree.leaves(rec.input), jax.tree.leaves(call.record.input)
     ds, one_d = _none_leaves(rec.grad_output), _none_leaves(call.record.grad_output)
     if len(xs) != len(one_x) or len(ds) != len(one_d):
         return "no fast path: its record does not match the program's"
-    x_axes, d_axes = _example_axes(xs, one_x, batch_size), _example_axes(ds, one_d, batch_size)
+    iters = None
+    if call.scans:
+        n, lead = len(call.scans), tuple(call.scans)
+        if any(a is not None and tuple(np.shape(a))[:n] != lead for a in (*xs, *ds)):
+            return "no fast path: its record is not stacked on the scan's iterations"
+        iters = int(np.prod(lead))
+        xs, ds = ([None if a is None else a.reshape(iters, *a.shape[n:]) for a in v] for v in (xs, ds))
+    x_axes = _example_axes([None if a is None else a[0] for a in xs] if iters else xs, one_x, batch_size)
+    d_axes = _example_axes([None if a is None else a[0] for a in ds] if iters else ds, one_d, batch_size)
     if x_axes is None or d_axes is None:
         return "no fast path: its record's example axis could not be found"
     if all(a is None for a in x_axes):
         return _NOT_PER_EXAMPLE
-    return _View(xs, x_axes, ds, d_axes)
+    return _View(xs, x_axes, ds, d_axes, iters)
 
 
 @dataclasses.dataclass
@@ -850,13 +919,16 @@ def analyze(
                 cfg = view
             else:
                 views[c.key] = view
-                kind, cfg = _classify(c, view, conv)
+                kind, cfg = _classify(c, view.unstack()[0], conv)
         if kind is None:
             note = c.foreign.note if c.foreign is not None else ""
             why[c.key] = f"{cfg}; the layer is a {note}" if note else cfg
         for role, (ix, _) in c.params.items():
             if ix is not None:
                 uses[ix].append(_Use(c.key, role, kind, cfg) if kind else None)
+
+    def build(kind, role, vs, u, param_leaves, shape, agg) -> _Leaf:
+        return _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scaled, check, norms)
 
     leaves: list[_Leaf | None] = []
     fallback: dict[int, str] = {}
@@ -882,69 +954,32 @@ def analyze(
         kind, role = kinds.pop()
         agg = grad_leaves[i] if check else None
         vs = [views[x.key] for x in u]
-        if kind == "local":
-            g = 0.0
-            for v, x_use in zip(vs, u):
-                c = calls_by_key[x_use.key]
-                pex = _local_per_example(c, param_leaves, v)
-                g = g + scaled(pex[x_use.role])
-                if c.foreign.note:
-                    noted.setdefault(c.key, (c.foreign.note, []))[1].append(paths[i])
-            ok = None
-            if agg is not None:
-                bound = jnp.sum(jnp.abs(g), axis=0)
-                ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
-            leaves.append(_Materialized(g, ok))
+        shape = tuple(grad_leaves[i].shape)
+        for x_use in u:
+            c = calls_by_key[x_use.key]
+            if kind == "local" and c.foreign.note:
+                noted.setdefault(c.key, (c.foreign.note, []))[1].append(paths[i])
+        modes = {calls_by_key[x.key].modes.get(i) for x in u}
+        sliced_too = any("stacked" in calls_by_key[x.key].modes.values() for x in u)
+        if "stacked" not in modes and sliced_too and kind in ("local", "norm"):
+            leaves.append(None)  # its calls also take other leaves sliced by the scan: not mapped
+            fallback[i] = "no fast path: closed over by a scan whose layer also takes a leaf sliced by it"
             continue
-        pairs = [v.single() for v in vs]
-        if kind == "dense" and role == "weight":
-            fk = calls_by_key[u[0].key].foreign
-            n_in_axes = fk.in_ndim if fk is not None else 1
-            xs = [x.astype(jnp.float32) for x, _ in pairs]
-            ds = [scaled(d) for _, d in pairs]
-            lead = xs[0].ndim - n_in_axes
-            x = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in xs], 1)
-            d = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in ds], 1)
-            agg_2d = None
-            if agg is not None:
-                agg_2d = scaled(agg)
-                agg_2d = agg_2d.reshape(d.shape[-1], x.shape[-1]).T if fk and fk.transpose else agg_2d
-                agg_2d = agg_2d.reshape(x.shape[-1], d.shape[-1])
-            leaf = _DenseWeight(x, d, agg_2d, check, norms)
-            if fk is not None and (fk.transpose or n_in_axes > 1 or lead + 1 < ds[0].ndim):
-                leaf = _Reshaped(leaf, tuple(grad_leaves[i].shape), fk.transpose)
-            leaves.append(leaf)
+        if "stacked" not in modes:  # closed over by a scan: each iteration is one more call
+            us = [x for x, v in zip(u, vs) for _ in range(v.iters or 1)]
+            vs = [w for v in vs for w in v.unstack()]
+            leaves.append(build(kind, role, vs, us, param_leaves, shape, agg))
             continue
-        if kind == "norm":
-            shape = grad_leaves[i].shape
-            leaves.append(
-                _norm_leaf(role, pairs, u, calls_by_key, param_leaves, shape, batch_size, scaled, agg)
+        lead = {calls_by_key[x.key].scans for x in u}
+        if len(modes) != 1 or len(lead) != 1:
+            leaves.append(None)
+            fallback[i] = (
+                "no fast path: the leaf is given to layer calls both as a scan's xs and otherwise, "
+                "or to scans of different lengths"
             )
             continue
-        if role == "bias":
-            ds = [scaled(d) for _, d in pairs]
-            b_shape = tuple(grad_leaves[i].shape)
-            nb = int(np.prod(b_shape))
-            g = sum(jnp.sum(a.reshape(batch_size, -1, nb), axis=1) for a in ds).reshape(batch_size, *b_shape)
-            ok = None
-            if agg is not None:
-                bound = sum(jnp.sum(jnp.abs(a.reshape(-1, *b_shape)), axis=0) for a in ds)
-                ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
-            leaves.append(_Materialized(g, ok))
-            continue
-        # conv kernel
-        shape = grad_leaves[i].shape
-        g = 0.0
-        bound = 0.0
-        for (x, d), x_use in zip(pairs, u):
-            strides, padding, dilation = x_use.conv
-            xi, di = x.astype(jnp.float32), scaled(d)
-            g = g + _conv_per_example(xi, di, shape, strides, padding, dilation)
-            axes = tuple(range(1, xi.ndim))
-            per = jnp.sqrt(jnp.sum(jnp.square(xi), axis=axes) * jnp.sum(jnp.square(di), axis=axes))
-            bound = bound + jnp.sqrt(float(np.prod(shape[:-2]))) * jnp.sum(per)
-        ok = None if agg is None else _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
-        leaves.append(_Materialized(g, ok))
+        lead = lead.pop()
+        leaves.append(_Stacked(build, kind, role, vs, u, param_leaves, calls_by_key, lead, shape, agg))
 
     if noted:
         _warn_local(noted, who)
@@ -955,6 +990,103 @@ def analyze(
             leaves[i] = _Materialized(g.astype(jnp.float32))
     _report_failed_checks(leaves, paths, owners, who)
     return Analysis(loss, grads, batch_size, paths, owners, leaves, treedef, captured, calls)
+
+
+def _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scaled, check, norms) -> _Leaf:
+    """One leaf's per-example gradients from the views ``vs`` of its uses ``u`` (one call each,
+    not stacked), ``shape`` the leaf's, ``agg`` its batch gradient (None: no check)."""
+    if kind == "local":
+        g = 0.0
+        for v, x_use in zip(vs, u):
+            pex = _local_per_example(calls_by_key[x_use.key], param_leaves, v)
+            g = g + scaled(pex[x_use.role])
+        ok = None
+        if agg is not None:
+            bound = jnp.sum(jnp.abs(g), axis=0)
+            ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
+        return _Materialized(g, ok)
+    pairs = [v.single() for v in vs]
+    batch_size = pairs[0][1].shape[0]
+    if kind == "dense" and role == "weight":
+        fk = calls_by_key[u[0].key].foreign
+        n_in_axes = fk.in_ndim if fk is not None else 1
+        xs = [x.astype(jnp.float32) for x, _ in pairs]
+        ds = [scaled(d) for _, d in pairs]
+        lead = xs[0].ndim - n_in_axes
+        x = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in xs], 1)
+        d = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in ds], 1)
+        agg_2d = None
+        if agg is not None:
+            agg_2d = scaled(agg)
+            agg_2d = agg_2d.reshape(d.shape[-1], x.shape[-1]).T if fk and fk.transpose else agg_2d
+            agg_2d = agg_2d.reshape(x.shape[-1], d.shape[-1])
+        leaf = _DenseWeight(x, d, agg_2d, check, norms)
+        if fk is not None and (fk.transpose or n_in_axes > 1 or lead + 1 < ds[0].ndim):
+            leaf = _Reshaped(leaf, shape, fk.transpose)
+        return leaf
+    if kind == "norm":
+        return _norm_leaf(role, pairs, u, calls_by_key, param_leaves, shape, batch_size, scaled, agg)
+    if role == "bias":
+        ds = [scaled(d) for _, d in pairs]
+        nb = int(np.prod(shape))
+        g = sum(jnp.sum(a.reshape(batch_size, -1, nb), axis=1) for a in ds).reshape(batch_size, *shape)
+        ok = None
+        if agg is not None:
+            bound = sum(jnp.sum(jnp.abs(a.reshape(-1, *shape)), axis=0) for a in ds)
+            ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
+        return _Materialized(g, ok)
+    # conv kernel
+    g = 0.0
+    bound = 0.0
+    for (x, d), x_use in zip(pairs, u):
+        strides, padding, dilation = x_use.conv
+        xi, di = x.astype(jnp.float32), scaled(d)
+        g = g + _conv_per_example(xi, di, shape, strides, padding, dilation)
+        axes = tuple(range(1, xi.ndim))
+        per = jnp.sqrt(jnp.sum(jnp.square(xi), axis=axes) * jnp.sum(jnp.square(di), axis=axes))
+        bound = bound + jnp.sqrt(float(np.prod(shape[:-2]))) * jnp.sum(per)
+    ok = None if agg is None else _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
+    return _Materialized(g, ok)
+
+
+class _Stacked(_Leaf):
+    """A leaf stacked on the iterations of the scans it is given to as ``xs`` (shape
+    ``(*lead, ...)``): slice ``k`` of ``g_i`` is iteration ``k``'s, from that iteration's records,
+    so ``||g_i||^2 = sum_k ||g_ik||^2``. Each method maps the one-iteration leaf (the usual
+    dense, bias, norm, conv or local one) over the iterations with ``jax.vmap``."""
+
+    def __init__(self, build, kind, role, views, uses, param_leaves, calls_by_key, lead, shape, agg):
+        self.build, self.kind, self.role, self.uses = build, kind, role, uses
+        self.shape, self.slice = shape, shape[len(lead) :]
+        n, iters = len(lead), int(np.prod(lead))
+        self.x_axes = [(v.x_axes, v.d_axes) for v in views]
+        self.arrays = [(v.xs, v.ds) for v in views]
+        # the leaves these calls take sliced by the same scans: one slice per iteration
+        sliced = {ix for x in uses for ix, m in calls_by_key[x.key].modes.items() if m == "stacked"}
+        self.fixed = param_leaves
+        self.sliced = {ix: param_leaves[ix].reshape(iters, *param_leaves[ix].shape[n:]) for ix in sliced}
+        if agg is not None:
+            oks = jax.vmap(lambda a, p, g: self._one(a, p, g).ok)(
+                self.arrays, self.sliced, agg.reshape(iters, *self.slice)
+            )
+            self.ok = None if oks is None else jnp.all(oks)
+
+    def _one(self, arrays, sliced, agg=None) -> _Leaf:
+        views = [_View(xs, xa, ds, da) for (xs, ds), (xa, da) in zip(arrays, self.x_axes)]
+        p = [sliced.get(ix, leaf) for ix, leaf in enumerate(self.fixed)]
+        return self.build(self.kind, self.role, views, self.uses, p, self.slice, agg)
+
+    def _map(self, f) -> jax.Array:
+        return jax.vmap(lambda a, p: f(self._one(a, p)))(self.arrays, self.sliced)
+
+    def sq_norms(self):
+        return self.guard(jnp.sum(self._map(lambda leaf: leaf.sq_norms()), axis=0))
+
+    def weighted_sum(self, c):
+        return self.guard(self._map(lambda leaf: leaf.weighted_sum(c)).reshape(self.shape))
+
+    def sum_sq(self):
+        return self.guard(self._map(lambda leaf: leaf.sum_sq()).reshape(self.shape))
 
 
 def _lifted_per_example(i: int, users: list[_Call], captured: dict, shape: tuple, batch_size: int):
