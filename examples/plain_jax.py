@@ -18,10 +18,10 @@ the model predicts every next token, and after the first period each one is a co
    (``reduce="norm"``; a layer inside the scan gives one norm per block, stacked), and prints
    the accuracy on the predictable positions of fresh sequences;
 3. plots the gradient flow (``plot_gradient_flow``), one line per layer and block, to --out;
-4. prints per-example gradient norms of a few sequences (``per_example_grad_norms``; layers
-   inside ``lax.scan`` have no per-example record, so their leaves take the exact
-   ``jax.vmap(jax.grad)`` path, and a ``UserWarning`` names them; another one names the tied
-   head, ``h @ embed.T``, which has no dense fast path and takes a vmapped vjp of that layer).
+4. prints per-example gradient norms of a few sequences (``per_example_grad_norms``; the
+   layers inside ``lax.scan`` take the dense fast paths per block; a ``UserWarning`` names the
+   tied head, ``h @ embed.T``, which has no dense fast path and takes a vmapped vjp of that
+   layer).
 
 Run: ``python examples/plain_jax.py`` (about 300 steps; ``--steps N`` for a shorter run).
 Needs ``pip install -e ".[plot]"`` (matplotlib) for the plot.
@@ -189,10 +189,10 @@ def main(argv=None):
     )
     print(f"wrote {out / 'plain_jax_attention_flow.png'} and {out / 'plain_jax_gradient_flow.png'}")
 
-    # 4. Per-example gradient norms of a few test sequences. A layer inside lax.scan has no
-    # per-example record: its leaves take the exact jax.vmap(jax.grad) path, and a UserWarning
-    # names them. The tied head (h @ embed.T, a transposed weight) has no dense fast path: a
-    # second UserWarning names it and the per-layer vmapped vjp it takes.
+    # 4. Per-example gradient norms of a few test sequences. The layers inside lax.scan take
+    # the fast paths per block (stacked weights: the per-block squared norms summed). The tied
+    # head (h @ embed.T, a transposed weight) has no dense fast path: a UserWarning names it
+    # and the per-layer vmapped vjp it takes.
     batch = jnp.asarray(test[:8])
     _, _, norms = jax.jit(vk.inspect.per_example_grad_norms(loss_fn))(state.params, batch)
     print("per-example gradient norms:", np.array2string(np.asarray(norms.total), precision=3))

@@ -104,7 +104,6 @@ dense layer with one row per example is ever formed.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -119,6 +118,7 @@ from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import capture as _capture
 from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
+from .._names import matches_key
 
 __all__ = ["PerExampleNorms", "dp_clip", "dp_noise", "per_example_grad_norms"]
 
@@ -582,7 +582,7 @@ def _classify(call: _Call, view: _View, conv_cfg: dict) -> tuple[str | None, Any
         dilation = _tuple(kind.dilation, n) if kind.dilation else (1,) * n
         return "conv", (_tuple(kind.strides, n), _padding(kind.padding), dilation)
     for glob, (stride, padding) in conv_cfg.items():
-        if fnmatch.fnmatchcase(call.name, glob):
+        if matches_key(call.key, glob):
             return "conv", (_tuple(stride, n), _padding(padding), (1,) * n)
     return None, (
         "no fast path: a conv-shaped weight, but the layer does not give its strides and padding "
