@@ -24,9 +24,10 @@ kernels' weight gradients and conv2's input gradient) as plain generated loops, 
 jitted step calls its library convolution; the two add up in different orders. So the first
 step's loss is the same to the bit, but its conv kernel gradients differ in their last bits (by
 at most about 20 float32 ulps of the largest entry). At the defaults the parameters of the two
-runs stay within 1e-5 of each other for the first 50 steps and within 1e-4 for the first 100;
-by step 200 they have separated (by more than 0.1): two different runs of the same training,
-both of which learn. This training amplifies any last-bit change, because ``ema_normalize``
+runs stay within 1e-5 of each other for the first 50 steps; how soon after that the gap grows
+depends on the XLA build and the CPU (within 1e-4 for the first 100 steps with jax 0.12.0.1,
+up to 5e-4 by step 100 with jax 0.10.x on the same machine); by step 200 they have separated
+(by more than 0.1): two different runs of the same training, both of which learn. This training amplifies any last-bit change, because ``ema_normalize``
 scales each kernel gradient to unit variance however small the gradient gets, so the kernels
 keep taking full-size steps: the jitted run alone, started from a kernel with one entry changed
 by one ulp, separates from itself by more than 0.1 by step 200 too, while without the hook

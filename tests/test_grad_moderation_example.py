@@ -150,8 +150,8 @@ CLAIM = re.compile(
     r"the first step's loss is the same to the bit, but its conv kernel gradients differ in their last"
     r" bits \(by at most about (?P<ulps>\d+) float32 ulps of the largest entry\)\. At the defaults the"
     r" parameters of the two runs stay within (?P<tol_a>\S+) of each other for the first"
-    r" (?P<steps_a>\d+) steps and within (?P<tol_b>\S+) for the first (?P<steps_b>\d+); by step"
-    r" (?P<sep_step>\d+) they have separated \(by more than (?P<sep>\S+)\): two different runs of the"
+    r" (?P<steps_a>\d+) steps; how soon after that the gap grows depends on the XLA build and the CPU"
+    r" \(.*?\); by step (?P<sep_step>\d+) they have separated \(by more than (?P<sep>\S+)\): two different runs of the"
     r" same training, both of which learn\..*? the jitted run alone, started from a kernel with one"
     r" entry changed by one ulp, separates from itself by more than (?P<sep_ulp>\S+) by step"
     r" (?P=sep_step) too, while without the hook \(plain SGD\) the jitted and scanned runs are still"
@@ -208,14 +208,18 @@ def test_first_step_kernel_gradients_differ_in_last_bits(claim):
 
 @pytest.mark.slow
 def test_jit_and_scan_separate_later_and_both_learn(claim):
-    """Within the second bound, then separated; a one-ulp nudge does the same; plain SGD does not."""
+    """Within the first bound, then separated; a one-ulp nudge does the same; plain SGD does not.
+
+    How soon after ``steps_a`` the gap grows depends on the XLA build and the CPU (the docstring
+    says so): a bound in between held on one build and not on another, so none is asserted.
+    """
     gm = load_example("grad_moderation")
     steps = claim["sep_step"]
-    assert claim["steps_b"] <= steps
+    assert claim["steps_a"] <= steps
     with contextlib.redirect_stdout(io.StringIO()):
         out = gm.main(["--steps", str(steps)])
     gap = gm.param_gap(out["jit"], out["scan"])
-    assert np.all(gap[: claim["steps_b"]] <= claim["tol_b"]), gap[: claim["steps_b"]].max()
+    assert np.all(gap[: claim["steps_a"]] <= claim["tol_a"]), gap[: claim["steps_a"]].max()
     assert gap[steps - 1] > claim["sep"], gap[steps - 1]
     assert out["jit"]["accuracy"] > 0.85 and out["scan"]["accuracy"] > 0.85  # both learn (0.1 is chance)
 

@@ -32,7 +32,22 @@ def run(ckpt: str, out: pathlib.Path, slow: bool = False) -> subprocess.Popen:
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
     )
     cmd = [sys.executable, str(SCRIPT), ckpt, str(out), str(STEPS), "1" if slow else "0"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # stderr goes to a file, not a pipe nobody reads while waiting: a pipe's buffer (64 KB) that
+    # fills with warnings blocks the script, and the wait below would time out instead
+    err = open(out.with_suffix(".stderr.txt"), "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    err.close()  # the child has its own descriptor
+    return proc
+
+
+def finished(proc: subprocess.Popen) -> int:
+    """Waits for ``proc``, reading its stdout as it goes; its return code."""
+    proc.communicate(timeout=300)
+    return proc.returncode
+
+
+def stderr_of(out: pathlib.Path) -> str:
+    return out.with_suffix(".stderr.txt").read_text()
 
 
 def load(path: pathlib.Path) -> list:
@@ -43,7 +58,7 @@ def load(path: pathlib.Path) -> list:
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
     reference = tmp_path / "reference.npz"
-    assert run("-", reference).wait(timeout=300) == 0
+    assert finished(run("-", reference)) == 0, stderr_of(reference)
 
     ckpt = tmp_path / "ckpt"
     proc = run(str(ckpt), tmp_path / "killed.npz", slow=True)
@@ -57,8 +72,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     assert saved is not None and saved < STEPS
 
     resumed = tmp_path / "resumed.npz"
-    proc = run(str(ckpt), resumed)
-    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    assert finished(run(str(ckpt), resumed)) == 0, stderr_of(resumed)
     for a, b in zip(load(resumed), load(reference), strict=True):
         np.testing.assert_array_equal(a, b)  # bit-identical, including rng, step and hook state
 
