@@ -151,10 +151,12 @@ CLAIM = re.compile(
     r" bits \(by at most about (?P<ulps>\d+) float32 ulps of the largest entry\)\. At the defaults the"
     r" parameters of the two runs stay within (?P<tol_a>\S+) of each other for the first"
     r" (?P<steps_a>\d+) steps; how soon after that the gap grows depends on the XLA build and the CPU"
-    r" \(.*?\); by step (?P<sep_step>\d+) they have separated \(by more than (?P<sep>\S+)\): two different runs of the"
-    r" same training, both of which learn\..*? the jitted run alone, started from a kernel with one"
+    r" \(.*?\); by step (?P<sep_step>\d+) they have separated \(by more than (?P<sep>\S+)\): two"
+    r" different runs of the same training, both of which learn\..*? the jitted run alone, started"
+    r" from a kernel with one"
     r" entry changed by one ulp, separates from itself by more than (?P<sep_ulp>\S+) by step"
-    r" (?P=sep_step) too, while without the hook \(plain SGD\) the jitted and scanned runs are still"
+    r" (?P=sep_step) too(?: \(.*?\))?, while without the hook \(plain SGD\) the jitted and scanned"
+    r" runs are still"
     r" within (?P<tol_plain>\S+) of each other at step (?P=sep_step)\."
 )
 
