@@ -68,7 +68,7 @@ def pytest_addoption(parser):
     )
 
 
-def _cache_dir(config) -> str:
+def _cache_dir() -> str:
     given = os.environ.get("VJPKIT_TEST_XLA_CACHE")
     if given:
         os.makedirs(given, exist_ok=True)
@@ -80,7 +80,7 @@ def _cache_dir(config) -> str:
 
 def pytest_configure(config):
     worker = getattr(config, "workerinput", None)
-    path = worker[_CACHE_KEY] if worker is not None and _CACHE_KEY in worker else _cache_dir(config)
+    path = worker[_CACHE_KEY] if worker is not None and _CACHE_KEY in worker else _cache_dir()
     # Eager calls of a hooked transform dispatch small programs that miss JAX's in-memory caches;
     # the persistent cache (keyed by the program's HLO: a hit returns what compiling would have)
     # compiles each once for the whole session, across workers.
@@ -93,7 +93,7 @@ def pytest_configure(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """xdist controller: every worker uses the controller's cache directory."""
-    node.workerinput[_CACHE_KEY] = _cache_dir(node.config)
+    node.workerinput[_CACHE_KEY] = _cache_dir()
 
 
 def pytest_unconfigure(config):
@@ -153,7 +153,7 @@ def _cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _timed(item, phase):
+def _timed(item):
     start = _cpu_s()
     yield
     item.user_properties.append(("cpu_s", _cpu_s() - start))
@@ -161,17 +161,17 @@ def _timed(item, phase):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    yield from _timed(item, "setup")
+    yield from _timed(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    yield from _timed(item, "call")
+    yield from _timed(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    yield from _timed(item, "teardown")
+    yield from _timed(item)
 
 
 def pytest_runtest_logreport(report):

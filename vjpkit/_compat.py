@@ -45,13 +45,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
 from jax.extend import core as jcore
-
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
-# jax 0.12.0: ClosedJaxpr is Jaxpr (consts attached to the program)
-CLOSED_IS_JAXPR: bool = jcore.ClosedJaxpr is jcore.Jaxpr
 
 
 def scan_split(params: dict) -> tuple[int, int]:
