@@ -19,9 +19,9 @@ the model predicts every next token, and after the first period each one is a co
    the accuracy on the predictable positions of fresh sequences;
 3. plots the gradient flow (``plot_gradient_flow``), one line per layer and block, to --out;
 4. prints per-example gradient norms of a few sequences (``per_example_grad_norms``; the
-   layers inside ``lax.scan`` take the dense fast paths per block; a ``UserWarning`` names the
-   tied head, ``h @ embed.T``, which has no dense fast path and takes a vmapped vjp of that
-   layer).
+   layers inside ``lax.scan`` take the dense fast paths per block, and the table tied to the
+   head, ``h @ embed.T``, is one leaf whose lookup and head add per example, cross term
+   included, in ``B x T^2`` Gram matrices; nothing falls back to ``vmap(grad)``).
 
 Run: ``python examples/plain_jax.py`` (about 300 steps; ``--steps N`` for a shorter run).
 Needs ``pip install -e ".[plot]"`` (matplotlib) for the plot.
@@ -191,8 +191,8 @@ def main(argv=None):
 
     # 4. Per-example gradient norms of a few test sequences. The layers inside lax.scan take
     # the fast paths per block (stacked weights: the per-block squared norms summed). The tied
-    # head (h @ embed.T, a transposed weight) has no dense fast path: a UserWarning names it
-    # and the per-layer vmapped vjp it takes.
+    # table's lookup and head (h @ embed.T, a transposed weight) add per example, cross term
+    # included (vjpkit.stats: Gram matrices of their rows, never B x the table).
     batch = jnp.asarray(test[:8])
     _, _, norms = jax.jit(vk.inspect.per_example_grad_norms(loss_fn))(state.params, batch)
     print("per-example gradient norms:", np.array2string(np.asarray(norms.total), precision=3))

@@ -988,11 +988,6 @@ def _batch_dim_loss(p, x):
     return jnp.mean(jnp.sum(jnp.tanh(h @ p["head"]["w"] + p["head"]["b"]) ** 2, axis=1))
 
 
-def _transposed_loss(p, x):
-    h = jnp.tanh(x @ p["fc"]["w"].T)
-    return jnp.mean(jnp.sum(jnp.tanh(h @ p["head"]["w"] + p["head"]["b"]) ** 2, axis=1))
-
-
 def _head_params(seed: int, n_in: int) -> dict:
     return {"w": _normal(seed, n_in, 2), "b": _normal(seed + 1, 2)}
 
@@ -1017,13 +1012,6 @@ NO_FAST_PATH = {
         r"'heads' \(a dot_general [^;]*with batch dimensions \(\d+,\) on the input and \(0,\) on the weight; "
         r"params \['heads/b', 'heads/w'\]\)",
     ),
-    "transposed_weight": (
-        _transposed_loss,
-        lambda: {"fc": {"w": _normal(0, 3, 4)}, "head": _head_params(2, 3)},
-        lambda: _normal(10, 5, 4),
-        r"'fc' \(a dot_general of parameters computed from the leaves \(by transpose\), not leaves as "
-        r"they are; params \['fc/w'\]\)",
-    ),
 }
 
 
@@ -1040,7 +1028,8 @@ def per_example_norm_reference(loss: Callable, params: Any, x: jax.Array) -> dic
 @pytest.mark.parametrize("case", list(NO_FAST_PATH), ids=list(NO_FAST_PATH))
 def test_per_example_norms_of_a_layer_with_no_fast_path_name_it_and_stay_exact(case, maybe_jit):
     """A plain-JAX layer found but with no dense/conv fast path (a grouped conv, batch dimensions on
-    the weight, a transposed weight): per-example norms warn with its name (the parameter path),
+    the weight; a transposed weight has one, tests/test_per_example_structures.py): per-example
+    norms warn with its name (the parameter path),
     its equation and the path taken instead (a vmapped vjp of that layer alone), and stay equal to
     ``vmap(grad)``. The dense head keeps its fast path: nothing falls back to ``vmap(grad)``."""
     loss, make_params, make_x, named = NO_FAST_PATH[case]

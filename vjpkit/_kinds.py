@@ -14,7 +14,13 @@ Kinds are static descriptions, never arrays. This module imports no framework an
 
 * ``LayerKind("dense")``: ``y = x @ W + b`` over the trailing ``in_ndim`` axes of ``x`` (``W``
   flattened to ``(in, out)``; ``transpose`` when the layer stores ``W`` as ``(out, in)``, as
-  Equinox does). ``roles`` maps param paths to ``"weight"`` / ``"bias"``.
+  Equinox does). ``roles`` maps param paths to ``"weight"`` / ``"bias"``. ``axes``, when given,
+  says which axes of the weight *leaf* the input's trailing axes meet, in order, and which
+  become the output's trailing axes, in order (``((1,), (0,))`` for ``x @ W.T``, a tied head
+  ``h @ embed.T``); ``()`` is the layout above.
+* ``LayerKind("lookup")``: ``table[ids]``, rows of axis 0 of the weight (``roles``) gathered at
+  integer indices (the call's input, with a trailing index axis of 1); ``padding`` holds the
+  gather's out-of-range mode: ``"clip"`` (clamped) or ``"fill"`` (zero rows).
 * ``LayerKind("conv")``: a channels-last convolution (1-D NWC with a WIO kernel, 2-D NHWC
   with an HWIO kernel) with the layer's own ``strides``, ``padding`` (``"SAME"``, ``"VALID"`` or
   ``((lo, hi), ...)``) and kernel ``dilation`` (``()``: none), never inferred from shapes.
@@ -50,7 +56,7 @@ _local = threading.local()
 class LayerKind:
     """A layer call's kind (see the module docstring)."""
 
-    kind: str  # "dense" | "conv" | "local" | "batch"
+    kind: str  # "dense" | "conv" | "lookup" | "local" | "batch"
     roles: dict[str, str] = dataclasses.field(default_factory=dict)  # param path -> "weight" | "bias"
     transpose: bool = False
     in_ndim: int = 1
@@ -59,6 +65,7 @@ class LayerKind:
     dilation: tuple[int, ...] = ()  # conv kernel dilation per spatial axis; () means none
     fn: Callable | None = None
     batched: bool = True
+    axes: tuple = ()  # dense: (leaf axes met by the input's trailing axes, leaf axes of the output)
     note: str = ""  # a matched layer with no dense/conv fast path: its equation, for messages
 
 

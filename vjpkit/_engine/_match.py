@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 from .. import _compat
@@ -484,8 +485,10 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
     local ``dot_general`` / ``conv_general_dilated`` notes why: the equation and what in it has
     no fast path (``"conv_general_dilated with feature_group_count=2"``)."""
     name = eqn.primitive.name
+    if name == "gather":
+        return _lookup_kind(eqn, body - {i, *joined}, eqns, roles_of)
     if name not in ("dot_general", "conv_general_dilated"):
-        return LayerKind("local")  # an embedding or a norm's affine: the local path is theirs
+        return LayerKind("local")  # a norm's affine: the local path is theirs
     why: list[str] = []  # what has no fast path, in words
     if w != 1:
         if name != "dot_general":
@@ -506,9 +509,11 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
             roles[roles_of[src[0]]] = "bias"
             allowed = src[1]
     weight, x_var = eqn.invars[w], eqn.invars[1 - w]
-    cast = _broadcast_source(weight, eqns, extra, _CASTS)  # a leaf through casts (bf16, pvary)
+    w_aval = weight.aval  # the weight as the equation takes it
+    perm = tuple(range(w_aval.ndim))  # its axes as the leaf's
+    cast = _weight_source(weight, eqns, extra)  # a leaf through casts (bf16, pvary) and transposes
     if cast is not None and cast[1] and cast[0] in roles_of:
-        weight, allowed = cast[0], allowed | cast[1]
+        weight, allowed, perm = cast[0], allowed | cast[1], cast[2]
     if extra - allowed:
         ops = ", ".join(sorted({eqns[k].primitive.name for k in extra - allowed}))
         why.append(f"of parameters computed from the leaves (by {ops}), not leaves as they are")
@@ -516,7 +521,7 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
         why.append("of a weight that is not a parameter leaf")
     else:
         roles[roles_of[weight]] = "weight"
-    x_aval, w_aval = x_var.aval, weight.aval
+    x_aval = x_var.aval
     if name == "dot_general":
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
         if w != 1:  # name the dimensions by role: the input's, then the weight's
@@ -524,16 +529,16 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
         n = len(lc)
         if lb or rb:
             why.append(f"with batch dimensions {tuple(lb)} on the input and {tuple(rb)} on the weight")
-        elif tuple(lc) != tuple(range(x_aval.ndim - n, x_aval.ndim)) or tuple(rc) != tuple(range(n)):
-            why.append(
-                f"contracting input axes {tuple(lc)} with weight axes {tuple(rc)} (not the input's "
-                "last axes with the weight's first)"
-            )
+        elif tuple(lc) != tuple(range(x_aval.ndim - n, x_aval.ndim)):
+            why.append(f"contracting input axes {tuple(lc)} (not the input's last axes)")
         elif bias and w_aval.ndim - n != 1:
             why.append(f"with a bias and {w_aval.ndim - n} output axes of the weight")
         if why:
             return LayerKind("local", note=f"{name} {', '.join(why)}")
-        return LayerKind("dense", roles=roles, in_ndim=n)
+        left = tuple(perm[k] for k in rc)  # the leaf's axes the input meets, in the input's order
+        right = tuple(perm[k] for k in range(w_aval.ndim) if k not in rc)  # the output's
+        axes = () if left + right == tuple(range(len(perm))) else (left, right)
+        return LayerKind("dense", roles=roles, in_ndim=n, axes=axes)
     p = eqn.params
     dn = p["dimension_numbers"]
     nd = x_aval.ndim
@@ -559,6 +564,55 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
 # value-preserving casts between a parameter leaf and its use: a dtype convert, and the pvary
 # shard_map inserts where a replicated parameter meets varying data
 _CASTS = ("convert_element_type", "pvary")
+
+
+def _weight_source(v, eqns, extra: set) -> tuple[Any, set, tuple[int, ...]] | None:
+    """``(leaf var, the equations between, perm)`` when ``v`` is a leaf through casts and
+    transposes: axis ``k`` of ``v`` is axis ``perm[k]`` of the leaf."""
+    between, perm = set(), tuple(range(len(v.aval.shape)))
+    index = {o: k for k in extra for o in eqns[k].outvars}
+    while v in index:
+        k = index[v]
+        name = eqns[k].primitive.name
+        if name == "transpose":
+            p = eqns[k].params["permutation"]
+            perm = tuple(p[a] for a in perm)
+        elif name not in _CASTS:
+            return None
+        between.add(k)
+        v = eqns[k].invars[0]
+    return v, between, perm
+
+
+def _lookup_kind(eqn, extra: set, eqns, roles_of) -> LayerKind:
+    """``table[ids]``: a gather of whole rows of axis 0 of a leaf (through casts) at integer
+    indices with a trailing index axis of 1 (``jnp`` indexing and ``jnp.take``), clamped or
+    filled out of range; any other gather is local."""
+    src = _weight_source(eqn.invars[0], eqns, extra)
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    table, ids = eqn.invars[0].aval, eqn.invars[1].aval
+    mode = str(p.get("mode", "")).lower()
+    # out of range: "clip" clamps the row in both passes; "fill" and "promise_in_bounds" drop it
+    # in the backward pass (the scatter of the transposed gather skips it)
+    mode = "clip" if "clip" in mode else "fill" if ("fill" in mode or "promise" in mode) else ""
+    out_ndim = len(eqn.outvars[0].aval.shape)
+    canonical = (
+        src is not None and src[0] in roles_of and src[2] == tuple(range(table.ndim))
+        and not {k for k in extra - src[1] if not _integer(eqns[k])}  # only jnp's index steps besides
+        and tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
+        and not tuple(getattr(dn, "operand_batching_dims", ())) and ids.shape and ids.shape[-1] == 1
+        and tuple(p["slice_sizes"]) == (1, *table.shape[1:]) and mode
+        and tuple(dn.offset_dims) == tuple(range(out_ndim - table.ndim + 1, out_ndim))
+        and np.issubdtype(ids.dtype, np.integer)
+    )  # fmt: skip
+    if not canonical:
+        return LayerKind("local")
+    return LayerKind("lookup", roles={roles_of[src[0]]: "weight"}, padding=mode)
+
+
+def _integer(eqn) -> bool:
+    return all(np.issubdtype(o.aval.dtype, np.integer) or o.aval.dtype == np.bool_ for o in eqn.outvars)
 
 
 def _broadcast_source(

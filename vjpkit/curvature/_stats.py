@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .. import stats as statslayer
 from .._errors import ConfigError
 from ._types import Factors, LayerCurvature, Layout, stats_dtype
 
@@ -164,35 +165,31 @@ def _over_seeds(body, zero, seeds: jax.Array) -> Any:
     return lax.scan(body, zero, seeds)[0]
 
 
+def _rows(a: jax.Array, g: jax.Array) -> list:
+    """The weight's and the bias's ``statslayer.Rows`` in the ``(in, out)`` matrix layout."""
+    return [statslayer.Rows(a, g, (0,), (1,), (a.shape[-1], g.shape[-1]))], [
+        statslayer.Rows.bias(g, (g.shape[-1],))
+    ]
+
+
 def _per_example_sq(a: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Over seeds ``k`` and examples ``n``: ``sum (J_kn)^2`` of the weight matrix ``(in, out)``
-    and of the bias ``(out,)``, where ``J_kn = sum_t a_nt g_knt^T``. ``a (N, T, in)``,
-    ``gs (K, N, T, out)``."""
-    if a.shape[1] == 1:
-        w = jnp.einsum("ni,knj->ij", jnp.square(a[:, 0]), jnp.square(gs[:, :, 0]))
-        return w, jnp.sum(jnp.square(gs[:, :, 0]), axis=(0, 1))
+    and of the bias ``(out,)``, where ``J_kn = sum_t a_nt g_knt^T`` (``vjpkit.stats.sum_sq``).
+    ``a (N, T, in)``, ``gs (K, N, T, out)``."""
 
-    def body(acc, g):  # one seed at a time: N * in * out floats live
-        # the wider feature axis minor (last): XLA:CPU's batched products are faster so
-        if a.shape[-1] > g.shape[-1]:
-            sq = jnp.sum(jnp.square(jnp.einsum("ntj,nti->nji", g, a)), axis=0).T
-        else:
-            sq = jnp.sum(jnp.square(jnp.einsum("nti,ntj->nij", a, g)), axis=0)
-        return (acc[0] + sq, acc[1] + jnp.sum(jnp.square(g.sum(1)), axis=0)), None
+    def body(acc, g):  # one seed at a time
+        w, b = _rows(a, g)
+        return (acc[0] + statslayer.sum_sq(w), acc[1] + statslayer.sum_sq(b)), None
 
     zero = (jnp.zeros((a.shape[-1], gs.shape[-1]), a.dtype), jnp.zeros((gs.shape[-1],), a.dtype))
     return _over_seeds(body, zero, gs)
 
 
 def _batch_sq_norms(a: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per example: ``||sum_t a_t d_t^T||^2`` and ``||sum_t d_t||^2``, each ``(N,)``."""
-    if a.shape[1] == 1:
-        w = jnp.sum(jnp.square(a[:, 0]), -1) * jnp.sum(jnp.square(d[:, 0]), -1)
-    elif a.shape[1] ** 2 <= a.shape[-1] * d.shape[-1]:  # the ghost norm: N * T^2 floats
-        w = jnp.einsum("nts,nts->n", a @ jnp.swapaxes(a, 1, 2), d @ jnp.swapaxes(d, 1, 2))
-    else:
-        w = jnp.sum(jnp.square(jnp.einsum("nti,ntj->nij", a, d)), axis=(1, 2))
-    return w, jnp.sum(jnp.square(d.sum(1)), -1)
+    """Per example: ``||sum_t a_t d_t^T||^2`` and ``||sum_t d_t||^2``, each ``(N,)``
+    (``vjpkit.stats.sq_norms``: the ghost norm when ``T^2 <= in * out``)."""
+    w, b = _rows(a, d)
+    return statslayer.sq_norms(w), statslayer.sq_norms(b)
 
 
 def layer_stats(

@@ -331,11 +331,25 @@ def _affine(site: Any) -> bool:
     return _examples.is_affine(jaxpr, p["weight"], p.get("bias"), inputs[0])
 
 
+def _as_layout_kind(kind: Any) -> Any:
+    """A dense kind whose weight leaf the input meets in another order (``x @ W.T``, a tied
+    head ``h @ embed.T``: ``LayerKind.axes``) as ``Layout`` can hold it: stored ``(out..., in...)``
+    is ``transpose=True``; any other order is a layer of its own kind (no K-FAC layout, its
+    diagonal from its per-example vjp), never read as ``(in, out)``."""
+    if not (isinstance(kind, LayerKind) and kind.kind == "dense" and kind.axes):
+        return kind
+    left, right = (tuple(a) for a in kind.axes)
+    n_out = len(right)
+    if right == tuple(range(n_out)) and left == tuple(range(n_out, n_out + len(left))):
+        return dataclasses.replace(kind, transpose=True, in_ndim=len(left), axes=())
+    return LayerKind("dense_permuted", roles=kind.roles, note=kind.note)
+
+
 def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     """A ``Layout`` (how the call's params map to the K-FAC matrix, from its kind) for a dense
     or conv layer; ``(per_example, kind)`` for any other per-example layer (see ``local_stats``)."""
     params = _flat(site.record.params)
-    kind = site.kind
+    kind = _as_layout_kind(site.kind)
     where = f"layer {site.key!r}"
     if isinstance(kind, LayerKind) and kind.kind in ("dense", "conv"):
         roles = {role: p for p, role in kind.roles.items() if p in params}

@@ -113,7 +113,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from .. import _compat, _engine, _format
+from .. import _compat, _engine, _format, stats
 from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import capture as _capture
 from .._errors import ConfigError
@@ -257,7 +257,7 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
         call.jaxpr, call.layout, call.record = site.span.jaxpr, site.layout, site.record
         call.batched = id(site.eqn) in batched or bool(site.scans) or site.in_cond
         call.scans, call.modes = tuple(site.scans), modes
-        if call.foreign is not None and call.foreign.kind in ("dense", "conv"):
+        if call.foreign is not None and call.foreign.kind in ("dense", "conv", "lookup"):
             call.params = {call.foreign.roles.get(k, k): v for k, v in call.params.items()}
         calls.append(call)
     return calls, outside
@@ -558,6 +558,13 @@ def _classify(call: _Call, view: _View, conv_cfg: dict) -> tuple[str | None, Any
     kind = call.foreign
     if kind is not None and kind.kind == "local":
         return _classify_local(call, view)
+    if kind is not None and kind.kind == "lookup":
+        ok = (
+            roles == {"weight"} and not call.derived and call.layout.n_hoisted == 0
+            and len(view.xs) == 1 and view.x_axes[0] is not None and len(view.ds) == 1
+            and view.d_axes[0] is not None and view.ds[0] is not None and _float(view.ds[0])
+        )  # fmt: skip
+        return ("lookup", kind.padding) if ok else (None, "no fast path: its record is not a lookup's")
     if "weight" not in roles or not roles <= {"weight", "bias"}:
         return no
     if pair is None or not _float(pair[0]):
@@ -608,15 +615,26 @@ def _classify_foreign_dense(call: _Call, x: jax.Array, d: jax.Array) -> tuple[st
     n_in, n_out = int(np.prod(x.shape[lead:])), int(np.prod(d.shape[lead:]))
     if d.shape[:lead] != x.shape[:lead] or int(np.prod(w)) != n_in * n_out:
         return no
-    split = len(w) - (d.ndim - lead) if not kind.transpose else d.ndim - lead
-    w_in = w[split:] if kind.transpose else w[:split]
-    if int(np.prod(w_in)) != n_in:
+    left, right = _dense_axes(kind, w, d.ndim - lead)
+    if int(np.prod([w[k] for k in left])) != n_in or int(np.prod([w[k] for k in right])) != n_out:
         return no
     return "dense", None
 
 
+def _dense_axes(kind: LayerKind | None, w: tuple[int, ...], n_out_axes: int) -> tuple[tuple, tuple]:
+    """The weight leaf's axes met by the input (in order) and those of the output (in order)."""
+    if kind is not None and kind.axes:
+        return tuple(kind.axes[0]), tuple(kind.axes[1])
+    split = n_out_axes if kind is not None and kind.transpose else len(w) - n_out_axes
+    if kind is not None and kind.transpose:  # stored (out..., in...)
+        return tuple(range(split, len(w))), tuple(range(split))
+    return tuple(range(split)), tuple(range(split, len(w)))
+
+
 # --------------------------------------------------------------------------------------------
 # Per-leaf per-example gradients, implicit (dense weights) or materialised (the rest).
+
+_ROWS = {("dense", "weight"), ("lookup", "weight")}  # the uses stats.Rows holds
 
 
 def _tol(dtype: Any) -> float:
@@ -661,82 +679,57 @@ class _Materialized(_Leaf):
         return self.guard(jnp.sum(jnp.square(self.g), axis=0))
 
 
-class _DenseWeight(_Leaf):
-    """``g_i = X_i^T D_i`` with ``X_i (T, in)``, ``D_i (T, out)``: never formed when ``T == 1``."""
+class _Factored(_Leaf):
+    """A leaf's ``g_i`` in matrix form (``vjpkit.stats.Rows``, one per use): dense weights in any
+    layout (``x @ W``, ``x @ W.T``, einsum projections), lookups, and a table tied to a head."""
 
-    def __init__(
-        self, x: jax.Array, d: jax.Array, batch_grad: jax.Array | None, check: bool, norms: bool = True
-    ):
-        self.x, self.d = x, d
-        self._g = self._grams = None
-        t, n_in, n_out = x.shape[1], x.shape[2], d.shape[2]
-        self.ghost = t == 1 or t * t <= n_in * n_out
-        if check and batch_grad is not None:
-            # Freivalds: (sum_i g_i) r == G r for a fixed random r, at the cost of two mat-vecs. The
-            # rounding error is bounded by a multiple of sum_bt |x_bt|.|d_bt| |r|.
-            rng = np.random.default_rng(n_out)
-            r = jnp.asarray(rng.standard_normal(n_out), jnp.float32)
-            u = batch_grad.astype(jnp.float32) @ r
-            # (d r) x over the flattened rows: a vector-matrix product streaming x in its own
-            # layout (an einsum over (b, t) made XLA copy x and d into a transposed layout)
-            v = (d.reshape(-1, n_out) @ r) @ x.reshape(-1, n_in)
-            if norms and self.ghost and t > 1:  # |x_bt|^2, |d_bt|^2: the ghost norm's Gram diagonals
-                x_sq, d_sq = (jnp.diagonal(g, axis1=1, axis2=2) for g in self.grams())
-            else:
-                x_sq, d_sq = jnp.sum(jnp.square(x), axis=2), jnp.sum(jnp.square(d), axis=2)
-            bound = jnp.sum(jnp.sqrt(x_sq * d_sq)) * jnp.sqrt(jnp.sum(jnp.square(r)))
-            self.ok = _check(u, v, bound, _tol(batch_grad.dtype))
-
-    def g(self):
-        if self._g is None:
-            self._g = jnp.einsum("btd,bte->bde", self.x, self.d)
-        return self._g
-
-    def grams(self):
-        """Per example, ``X_i X_i^T`` and ``D_i D_i^T``, each ``(B, T, T)``."""
-        if self._grams is None:
-            self._grams = (
-                jnp.einsum("btd,bsd->bts", self.x, self.x),
-                jnp.einsum("bte,bse->bts", self.d, self.d),
-            )
-        return self._grams
+    def __init__(self, rows: list, ok: jax.Array | None):
+        self.rows, self.ok = rows, ok
 
     def sq_norms(self):
-        if self.x.shape[1] == 1:
-            out = jnp.sum(jnp.square(self.x[:, 0]), -1) * jnp.sum(jnp.square(self.d[:, 0]), -1)
-        elif self.ghost:
-            gram_x, gram_d = self.grams()
-            out = jnp.sum(gram_x * gram_d, axis=(1, 2))
-        else:
-            out = jnp.sum(jnp.square(self.g()), axis=(1, 2))
-        return self.guard(out)
+        return self.guard(stats.sq_norms(self.rows))
 
     def weighted_sum(self, c):
-        return self.guard(jnp.einsum("btd,bte->de", self.x, self.d * c[:, None, None]))
+        return self.guard(stats.weighted_sum(self.rows, c))
 
     def sum_sq(self):
-        if self.x.shape[1] == 1:
-            return self.guard(jnp.square(self.x[:, 0]).T @ jnp.square(self.d[:, 0]))
-        return self.guard(jnp.sum(jnp.square(self.g()), axis=0))
+        return self.guard(stats.sum_sq(self.rows))
 
 
-class _Reshaped(_Leaf):
-    """A dense weight's ``g_i`` computed as ``(in, out)``, reported in the leaf's own layout."""
+def _rows(call: _Call, view: _View, mode: Any, param_leaves: list, shape: tuple, scaled) -> Any:
+    """One use of a dense weight or a lookup table as ``stats.Rows``, examples first."""
+    x, d = view.single()
+    d = scaled(d)
+    fk = call.foreign
+    if fk is not None and fk.kind == "lookup":
+        index = _lookup_index(call, param_leaves, x, view.x_axes[0])
+        if mode == "clip":
+            return stats.Rows.lookup(jnp.clip(index, 0, shape[0] - 1), d, shape)
+        valid = (index >= 0) & (index < shape[0])
+        return stats.Rows.lookup(index, d, shape, valid.astype(d.dtype))
+    n_in_axes = fk.in_ndim if fk is not None else 1
+    lead = x.ndim - n_in_axes
+    left, right = _dense_axes(fk, shape, d.ndim - lead)
+    x = x.astype(jnp.float32).reshape(x.shape[0], -1, int(np.prod(x.shape[lead:])))
+    return stats.Rows.dense(x, d, shape, left, right)
 
-    def __init__(self, inner: _Leaf, shape: tuple[int, ...], transpose: bool):
-        self.inner, self.shape, self.transpose = inner, shape, transpose
 
-    def _layout(self, g: jax.Array) -> jax.Array:
-        return (g.T if self.transpose else g).reshape(self.shape)
+def _lookup_index(call: _Call, param_leaves: list, ids: jax.Array, axis: int) -> jax.Array:
+    """The row of the table each position of ``ids`` (the call's input, examples first) reads:
+    the gather's index operand as the call's own computation builds it (jnp wraps negative ids),
+    one example at a time as traced over a batch of one (its example axis ``axis``)."""
+    jaxpr = call.jaxpr.jaxpr
+    gather = next(e for e in jaxpr.eqns if e.primitive.name == "gather")
+    program = _compat.open_jaxpr(
+        jaxpr.constvars, jaxpr.invars, [gather.invars[1]], jaxpr.eqns, jaxpr.effects, jaxpr.debug_info
+    )
+    fn = jcore.jaxpr_as_fun(_compat.closed_jaxpr(program, getattr(call.jaxpr, "consts", [])))
+    params = [param_leaves[i] for i in call.order]
 
-    def sq_norms(self):
-        return self.inner.sq_norms()
+    def one(x):
+        return fn(*params, jnp.expand_dims(x, axis))[0][..., 0]
 
-    def weighted_sum(self, c):
-        return self._layout(self.inner.weighted_sum(c))
-
-    def sum_sq(self):
-        return self._layout(self.inner.sum_sq())
+    return jax.vmap(one)(ids)
 
 
 def _local_per_example(call: _Call, param_leaves: list, view: _View) -> dict[str, jax.Array]:
@@ -887,7 +880,9 @@ def analyze(
         ):
             return False
         shapes = {k: s for k, (_, s) in c.params.items()}
-        if isinstance(c.kind, AffineNorm) or (c.foreign is not None and c.foreign.kind in ("local", "dense")):
+        if isinstance(c.kind, AffineNorm) or (
+            c.foreign is not None and c.foreign.kind in ("local", "dense", "lookup")
+        ):
             return True
         return "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
 
@@ -947,6 +942,8 @@ def analyze(
             continue
         u = uses[i]
         kinds = {(x.kind, x.role) for x in u if x is not None}
+        if kinds and kinds <= _ROWS:  # dense weights and lookups: one matrix form, cross terms kept
+            kinds = {("rows", "weight")}
         if i in outside or not u or None in u or len(kinds) != 1:
             leaves.append(None)
             fallback[i] = _fallback_reason(i, u, outside, calls, why)
@@ -1005,25 +1002,12 @@ def _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scale
             bound = jnp.sum(jnp.abs(g), axis=0)
             ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
         return _Materialized(g, ok)
+    if kind == "rows":
+        rows = [_rows(calls_by_key[x.key], v, x.conv, param_leaves, shape, scaled) for v, x in zip(vs, u)]
+        ok = None if agg is None else stats.check(rows, scaled(agg), _tol(agg.dtype))
+        return _Factored(rows, ok)
     pairs = [v.single() for v in vs]
     batch_size = pairs[0][1].shape[0]
-    if kind == "dense" and role == "weight":
-        fk = calls_by_key[u[0].key].foreign
-        n_in_axes = fk.in_ndim if fk is not None else 1
-        xs = [x.astype(jnp.float32) for x, _ in pairs]
-        ds = [scaled(d) for _, d in pairs]
-        lead = xs[0].ndim - n_in_axes
-        x = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in xs], 1)
-        d = jnp.concatenate([a.reshape(*a.shape[:1], -1, int(np.prod(a.shape[lead:]))) for a in ds], 1)
-        agg_2d = None
-        if agg is not None:
-            agg_2d = scaled(agg)
-            agg_2d = agg_2d.reshape(d.shape[-1], x.shape[-1]).T if fk and fk.transpose else agg_2d
-            agg_2d = agg_2d.reshape(x.shape[-1], d.shape[-1])
-        leaf = _DenseWeight(x, d, agg_2d, check, norms)
-        if fk is not None and (fk.transpose or n_in_axes > 1 or lead + 1 < ds[0].ndim):
-            leaf = _Reshaped(leaf, shape, fk.transpose)
-        return leaf
     if kind == "norm":
         return _norm_leaf(role, pairs, u, calls_by_key, param_leaves, shape, batch_size, scaled, agg)
     if role == "bias":

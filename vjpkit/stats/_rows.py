@@ -1,0 +1,293 @@
+"""One layer call's per-example parameter gradient in matrix form, and its first-order statistics.
+
+Contract. A ``Rows`` is what one layer call contributes to one parameter leaf's per-example
+gradients: for each example ``i`` (axis 0 of every array),
+
+    ``g_i = sum_r a_ir (x) b_ir``, laid out as the leaf: its axes ``left`` (flattened, ``m``
+    entries) then ``right`` (``n`` entries), transposed back to the leaf's own axis order.
+
+``a`` is ``(B, R, m)`` (a dense layer's input rows: every position of the example, or a conv's
+unfolded patches) or a ``OneHot`` (an embedding lookup: the row of the table each position reads);
+``b`` is ``(B, R, n)`` (the output cotangent rows). A bias is ``a = 1``: ``Rows.bias(d)``. A leaf
+used by several calls (a layer called twice, an embedding tied to the head) is a list of ``Rows``
+whose ``g_i`` add, cross terms included.
+
+The statistics (every function takes the list of one leaf's ``Rows``):
+
+* ``sq_norms``: ``||g_i||^2``, ``(B,)``. Ghost norm ``sum_{u,v} <A_u A_v^T, B_u B_v^T>`` over the
+  per-example Gram matrices (``B x R^2`` floats) when the uses share one ``(left, right)``
+  split and ``R^2 <= m n`` or a ``OneHot`` is among them (whose materialised gradient would be
+  ``B x`` the table); otherwise each ``g_i`` is formed (``B x m x n`` floats, cheaper for short
+  rows of a small weight).
+* ``weighted_sum(rows, c)``: ``sum_i c_i g_i`` in the leaf's layout (``c = 1``: the batch
+  gradient; DP-SGD's clipped sum), never forming a ``g_i``.
+* ``sum_sq``: ``sum_i g_i**2`` elementwise (BackPACK's ``SumGradSquared``, the diagonal GGN
+  from seeded cotangents): ``(a*a)^T (b*b)`` with one row per example, else the ``g_i``
+  formed in chunks of examples.
+* ``materialize``: ``g_i`` stacked, ``(B, *leaf)``.
+* ``check(rows, batch_grad)``: whether ``weighted_sum(rows, 1)`` equals the batch gradient,
+  through a fixed random projection (two matrix-vector products), to a bound on rounding.
+
+Everything is computed in the arrays' own dtype; callers choose it (float32, or float64).
+This module imports nothing of vjpkit: it is the layer both ``vk.inspect`` and
+``vk.curvature`` read their per-example statistics from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_CHUNK = 1 << 24  # floats of g_i formed at once by sum_sq / materialize when they must be formed
+
+
+class OneHot(NamedTuple):
+    """Rows that are one-hot over ``size`` entries: row ``r`` of example ``i`` is ``e_{index[i, r]}``
+    scaled by ``weight[i, r]`` (``None``: 1). An embedding lookup's rows; an index outside
+    ``[0, size)`` must carry weight 0 (a lookup that fills out-of-range rows with zeros)."""
+
+    index: jax.Array  # (B, R) int
+    size: int
+    weight: jax.Array | None = None  # (B, R) float, or None
+
+
+class Rows(NamedTuple):
+    """One layer call's per-example gradient of one leaf (see the module contract)."""
+
+    a: Any  # (B, R, m) array, or a OneHot
+    b: jax.Array  # (B, R, n)
+    left: tuple[int, ...]  # leaf axes of a's m entries, in order
+    right: tuple[int, ...]  # leaf axes of b's n entries, in order
+    shape: tuple[int, ...]  # the leaf's shape
+
+    @classmethod
+    def dense(cls, x: jax.Array, d: jax.Array, shape: Sequence[int], left: Sequence[int] | None = None,
+              right: Sequence[int] | None = None) -> Rows:  # fmt: skip
+        """``x @ W``'s rows: ``x (B, ..., m)``, ``d (B, ..., n)``, whose trailing axes are the leaf's
+        axes ``left`` and ``right`` in that order (default: the leading axes of the leaf whose
+        sizes multiply to ``x``'s last axis, then the rest)."""
+        shape = tuple(int(s) for s in shape)
+        if left is None or right is None:
+            left, right = _split(shape, int(x.shape[-1]))
+        m, n = math.prod(shape[k] for k in left), math.prod(shape[k] for k in right)
+        return cls(
+            x.reshape(x.shape[0], -1, m), d.reshape(d.shape[0], -1, n), tuple(left), tuple(right), shape
+        )
+
+    @classmethod
+    def bias(cls, d: jax.Array, shape: Sequence[int]) -> Rows:
+        """A bias added on the trailing axes of the output: ``a = 1``, ``b = d``'s rows."""
+        shape = tuple(int(s) for s in shape)
+        b = d.reshape(d.shape[0], -1, math.prod(shape))
+        return cls(jnp.ones((*b.shape[:2], 1), b.dtype), b, (), tuple(range(len(shape))), shape)
+
+    @classmethod
+    def lookup(
+        cls, index: jax.Array, d: jax.Array, shape: Sequence[int], weight: jax.Array | None = None
+    ) -> Rows:
+        """``table[index]``: ``index (B, ...)``, ``d (B, ..., *shape[1:])``, rows of the table's axis 0."""
+        shape = tuple(int(s) for s in shape)
+        n = math.prod(shape[1:])
+        index = index.reshape(index.shape[0], -1)
+        w = None if weight is None else weight.reshape(index.shape).astype(d.dtype)
+        return cls(
+            OneHot(index, shape[0], w), d.reshape(d.shape[0], -1, n), (0,), tuple(range(1, len(shape))), shape
+        )
+
+    @property
+    def m(self) -> int:
+        return self.a.size if isinstance(self.a, OneHot) else int(self.a.shape[-1])
+
+    @property
+    def n(self) -> int:
+        return int(self.b.shape[-1])
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.b.shape[1])
+
+    def swapped(self) -> Rows:
+        """The same rows with ``a`` and ``b`` exchanged (a dense ``a`` only)."""
+        return Rows(self.b, self.a, self.right, self.left, self.shape)
+
+
+def _split(shape: tuple[int, ...], m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    for k in range(len(shape) + 1):
+        if math.prod(shape[:k]) == m:
+            return tuple(range(k)), tuple(range(k, len(shape)))
+    raise ValueError(f"no leading axes of a weight {shape} hold {m} inputs")
+
+
+def _oriented(rows: Sequence[Rows]) -> list[Rows] | None:
+    """The rows on one ``(left, right)`` split (a use on the swapped split exchanges its ``a``
+    and ``b``), or None when the uses split the leaf differently."""
+    first = rows[0]
+    out = []
+    for r in rows:
+        if (r.left, r.right) == (first.left, first.right):
+            out.append(r)
+        elif (r.right, r.left) == (first.left, first.right) and not isinstance(r.a, OneHot):
+            out.append(r.swapped())
+        elif (r.right, r.left) == (first.left, first.right) and not isinstance(first.a, OneHot):
+            return _oriented([r] + [q for q in rows if q is not r])
+        else:
+            return None
+    return out
+
+
+def _gram(u: Any, v: Any) -> jax.Array:
+    """``(B, R_u, R_v)``: per example, the inner products of the rows of ``u`` and ``v``."""
+    if isinstance(u, OneHot) and isinstance(v, OneHot):
+        g = (u.index[:, :, None] == v.index[:, None, :]).astype(jnp.float32)
+        if u.weight is not None:
+            g = g * u.weight[:, :, None]
+        if v.weight is not None:
+            g = g * v.weight[:, None, :]
+        return g
+    if isinstance(u, OneHot):
+        return jnp.swapaxes(_gram(v, u), 1, 2)
+    if isinstance(v, OneHot):  # u's entry at v's index: (B, R_u, R_v), never B x the table
+        idx = jnp.clip(v.index, 0, v.size - 1)
+        g = jnp.take_along_axis(u, jnp.broadcast_to(idx[:, None, :], (*u.shape[:2], idx.shape[1])), axis=2)
+        return g if v.weight is None else g * v.weight[:, None, :].astype(g.dtype)
+    return jnp.einsum("brm,bsm->brs", u, v)
+
+
+def _ghost(rows: list[Rows]) -> bool:
+    n_rows = sum(r.n_rows for r in rows)
+    return any(isinstance(r.a, OneHot) for r in rows) or n_rows * n_rows <= rows[0].m * rows[0].n
+
+
+def sq_norms(rows: Sequence[Rows]) -> jax.Array:
+    """``||g_i||^2`` of the leaf, ``(B,)`` (see the module contract)."""
+    rows = list(rows)
+    oriented = _oriented(rows)
+    if oriented is not None and all(r.n_rows == 1 for r in oriented) and len(oriented) == 1:
+        r = oriented[0]
+        return _row_sq(r.a)[:, 0] * jnp.sum(jnp.square(r.b[:, 0]), -1)
+    if oriented is not None and _ghost(oriented):
+        total = 0.0
+        for k, u in enumerate(oriented):
+            for v in oriented[k:]:
+                term = jnp.sum(_gram(u.a, v.a).astype(u.b.dtype) * _gram(u.b, v.b), axis=(1, 2))
+                total = total + (term if v is u else 2 * term)
+        return total
+    g = materialize(rows)
+    return jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
+
+
+def _row_sq(a: Any) -> jax.Array:
+    if isinstance(a, OneHot):
+        return jnp.ones(a.index.shape) if a.weight is None else jnp.square(a.weight)
+    return jnp.sum(jnp.square(a), -1)
+
+
+def _to_leaf(mat: jax.Array, r: Rows, lead: tuple[int, ...] = ()) -> jax.Array:
+    """``(*lead, m, n)`` in the ``(left, right)`` layout to ``(*lead, *leaf)``."""
+    order = (*r.left, *r.right)
+    mat = mat.reshape(*lead, *(r.shape[k] for k in order))
+    nl = len(lead)
+    return jnp.transpose(mat, (*range(nl), *(nl + order.index(k) for k in range(len(order)))))
+
+
+def _scatter(a: OneHot, b: jax.Array) -> jax.Array:
+    """``sum_r e_{index_r} b_r^T`` over every example and row: ``(size, n)``."""
+    w = b if a.weight is None else b * a.weight[..., None].astype(b.dtype)
+    return jax.ops.segment_sum(w.reshape(-1, b.shape[-1]), a.index.reshape(-1), num_segments=a.size)
+
+
+def _product(a: Any, b: jax.Array) -> jax.Array:
+    """``sum_{i, r} a_ir b_ir^T``: ``(m, n)``."""
+    if isinstance(a, OneHot):
+        return _scatter(a, b)
+    return jnp.einsum("brm,brn->mn", a, b)
+
+
+def weighted_sum(rows: Sequence[Rows], c: jax.Array | None = None) -> jax.Array:
+    """``sum_i c_i g_i`` in the leaf's layout (``c=None``: all ones, the batch gradient)."""
+    total = 0.0
+    for r in rows:
+        b = r.b if c is None else r.b * c[:, None, None].astype(r.b.dtype)
+        total = total + _to_leaf(_product(r.a, b), r)
+    return total
+
+
+def _one_example(r: Rows, i: Any) -> jax.Array:
+    """``g_i`` of one use in the ``(m, n)`` layout."""
+    b = r.b[i][None]
+    if isinstance(r.a, OneHot):
+        a = OneHot(r.a.index[i][None], r.a.size, None if r.a.weight is None else r.a.weight[i][None])
+    else:
+        a = r.a[i][None]
+    return _product(a, b)
+
+
+def _examples(rows: list[Rows], f) -> jax.Array:
+    """``f(g_i)`` of each example's leaf-shaped ``g_i`` (a ``jax.lax.map`` in chunks of examples)."""
+    size = math.prod(rows[0].shape)
+    batch = int(rows[0].b.shape[0])
+
+    def one(i):
+        return f(sum(_to_leaf(_one_example(r, i), r) for r in rows))
+
+    chunk = max(1, min(batch, _CHUNK // max(size, 1)))
+    return jax.lax.map(one, jnp.arange(batch), batch_size=chunk)
+
+
+def materialize(rows: Sequence[Rows]) -> jax.Array:
+    """``g_i`` stacked: ``(B, *leaf)``."""
+    rows = list(rows)
+    if all(not isinstance(r.a, OneHot) for r in rows):
+        return sum(_to_leaf(jnp.einsum("brm,brn->bmn", r.a, r.b), r, (int(r.b.shape[0]),)) for r in rows)
+    return _examples(rows, lambda g: g)
+
+
+def sum_sq(rows: Sequence[Rows]) -> jax.Array:
+    """``sum_i g_i**2`` elementwise, in the leaf's layout."""
+    rows = list(rows)
+    if len(rows) == 1 and rows[0].n_rows == 1:
+        r = rows[0]
+        a = r.a
+        if isinstance(a, OneHot):
+            sq = OneHot(a.index, a.size, None if a.weight is None else jnp.square(a.weight))
+            return _to_leaf(_scatter(sq, jnp.square(r.b)), r)
+        return _to_leaf(jnp.square(a[:, 0]).T @ jnp.square(r.b[:, 0]), r)
+    size, batch = math.prod(rows[0].shape), int(rows[0].b.shape[0])
+    if batch * size <= _CHUNK and all(not isinstance(r.a, OneHot) for r in rows):
+        return jnp.sum(jnp.square(materialize(rows)), axis=0)
+    return jnp.sum(_examples(rows, jnp.square), axis=0)
+
+
+def check(rows: Sequence[Rows], batch_grad: jax.Array, tol: float) -> jax.Array:
+    """``||weighted_sum(rows) - batch_grad|| <= tol * bound`` through a fixed random projection
+    of the ``right`` axes (Freivalds: two matrix-vector products, no ``g_i``); ``bound`` bounds
+    the rounding error, ``sum_{i, r} |a_ir| |b_ir| |v|``. A bool scalar."""
+    rows = list(rows)
+    oriented = _oriented(rows)
+    if oriented is None:  # the uses split the leaf differently: compare the sum itself
+        est = weighted_sum(rows)
+        bound = sum(jnp.sum(jnp.sqrt(_row_sq(r.a) * jnp.sum(jnp.square(r.b), -1))) for r in rows)
+        return jnp.sqrt(jnp.sum(jnp.square(est - batch_grad))) <= tol * bound + 1e-30
+    first = oriented[0]
+    order = (*first.left, *first.right)
+    g = jnp.transpose(batch_grad, order).reshape(first.m, first.n)
+    v = jnp.asarray(np.random.default_rng(first.n).standard_normal(first.n), g.dtype)
+    u = g @ v
+    est, bound = 0.0, 0.0
+    for r in oriented:
+        bv = r.b @ v.astype(r.b.dtype)
+        if isinstance(r.a, OneHot):
+            est = est + _scatter(r.a, bv[..., None])[:, 0]
+        else:
+            # a vector-matrix product streaming a in its own layout (an einsum over (b, r) made
+            # XLA copy a into a transposed layout)
+            est = est + bv.reshape(-1) @ r.a.reshape(-1, r.m)
+        bound = bound + jnp.sum(jnp.sqrt(_row_sq(r.a) * jnp.sum(jnp.square(r.b), -1)))
+    bound = bound * jnp.sqrt(jnp.sum(jnp.square(v)))
+    err = jnp.sqrt(jnp.sum(jnp.square(u - est)))
+    return err <= tol * bound + 1e-30
