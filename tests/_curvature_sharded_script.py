@@ -28,7 +28,7 @@ import vjpkit as vk
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 BATCH, FEATURES, HIDDEN, CLASSES = 32, 5, 8, 3
-STATS = ["kflr", "kfac_empirical", "diag_ggn", "sum_grad_squared", "batch_l2", "variance"]
+STATS = ["kflr", "kfac_empirical", "diag_ggn", "sum_grad_squared", "batch_l2", "backpack_variance"]
 
 
 def problem():

@@ -55,7 +55,7 @@ ALL = [
     "diag_ggn_mc",
     "sum_grad_squared",
     "batch_l2",
-    "variance",
+    "backpack_variance",
 ]
 
 
@@ -320,7 +320,7 @@ def references(stages: Stages, kind: str, p: dict, x, y, local=()) -> dict[str, 
             "diag_ggn": jax.tree.map(np.asarray, diag[name]),
             "sum_grad_squared": sgs[name],
             "batch_l2": l2[name],
-            "variance": var[name],
+            "backpack_variance": var[name],
         }
     return refs
 
@@ -498,12 +498,18 @@ def test_float32_statistics_are_float32_and_close_to_float64():
 def test_variance_is_backpacks(f64):
     rng = np.random.default_rng(4)
     p, x, y = mlp_params(rng), _normal(rng, 6, 3), targets("ce_int", rng, 6, 4)
-    _, captured = jax.jit(vk.grad(loss_fn(MLP, "ce_int"), capture=vk.curvature.stats("*", "variance")))(
-        p, x, y
-    )
+    _, captured = jax.jit(
+        vk.grad(loss_fn(MLP, "ce_int"), capture=vk.curvature.stats("*", "backpack_variance"))
+    )(p, x, y)
     refs = references(MLP, "ce_int", p, x, y)
     for name, ref in refs.items():
-        tree_allclose(captured[name].variance, ref["variance"], **F64)
+        tree_allclose(captured[name].backpack_variance, ref["backpack_variance"], **F64)
+
+
+def test_the_old_name_variance_says_which_variance():
+    """Two meanings, two names: curvature's is BackPACK's (of grad l_n / N), inspect's of grad l_n."""
+    with pytest.raises(vk.ConfigError, match=r"'variance' is now 'backpack_variance'.*N\^2 times larger"):
+        vk.curvature.stats("*", "variance")
 
 
 # ----------------------------------------------------------------------------- Monte-Carlo
@@ -841,7 +847,7 @@ def test_scan_iterations_equal_the_unrolled_program(jit_or_eager, f64):
     loss_u = lambda q, x, y: vk.curvature.softmax_cross_entropy(apply(UNROLLED, q, x), y)
     _, cap_u = jit_or_eager(vk.grad(loss_u, capture=spec))(q, x, y, key=key)
     for i in range(SCAN_DEPTH):
-        for stat in ("kfac", "diag_ggn_mc", "variance"):
+        for stat in ("kfac", "diag_ggn_mc", "backpack_variance"):
             tree_allclose(getattr(per_iter[f"blk{i}"], stat), getattr(cap_u[f"blk{i}"], stat), **F64)
 
 

@@ -181,10 +181,10 @@ def test_mlp_kflr_diag_ggn_and_first_order(f64):
 def test_mlp_variance(f64):
     torch_model, params, x, y = mlp_setup(1)
     bp = run_backpack(torch_model, x, y, Variance())
-    _, cap = _jax_stats(mlp, params, x, y, ["variance"])
+    _, cap = _jax_stats(mlp, params, x, y, ["backpack_variance"])
     for name in ("0", "2", "4"):
-        close(cap[name].variance["b"], bp[name]["bias"]["variance"], f"{name} variance bias")
-        close(cap[name].variance["w"].T, bp[name]["weight"]["variance"], f"{name} variance weight")
+        close(cap[name].backpack_variance["b"], bp[name]["bias"]["variance"], f"{name} variance bias")
+        close(cap[name].backpack_variance["w"].T, bp[name]["weight"]["variance"], f"{name} variance weight")
 
 
 def test_mlp_monte_carlo_shapes(f64):

@@ -33,7 +33,7 @@ from ._types import Factors, LayerCurvature, Layout, stats_dtype
 
 FACTORS = ("kflr", "kfac", "kfac_empirical")
 DIAGONAL = ("diag_ggn", "diag_ggn_mc")
-FIRST_ORDER = ("sum_grad_squared", "batch_l2", "variance")
+FIRST_ORDER = ("sum_grad_squared", "batch_l2", "backpack_variance")
 STATISTICS = FACTORS + DIAGONAL + FIRST_ORDER
 EXACT = ("kflr", "diag_ggn")  # need the Hessian square-root pulls
 SAMPLED = ("kfac", "diag_ggn_mc")  # need the Monte-Carlo pulls (and a key)
@@ -64,7 +64,9 @@ def stats(
         layers: a glob or globs over layer paths (layers without parameters are skipped).
         which: any of ``kflr`` (exact GGN K-FAC factors), ``kfac`` (Monte-Carlo Fisher
             factors), ``kfac_empirical`` (empirical Fisher factors), ``diag_ggn``,
-            ``diag_ggn_mc``, ``sum_grad_squared``, ``batch_l2``, ``variance``.
+            ``diag_ggn_mc``, ``sum_grad_squared``, ``batch_l2``, ``backpack_variance`` (BackPACK's
+            ``Variance``, of the per-example gradients ``grad l_n / N``; ``vk.inspect.gradient_stats``'s
+            ``variance`` is of ``grad l_n``, ``N^2`` times larger).
         mc_samples: Monte-Carlo samples for ``kfac`` and ``diag_ggn_mc``; the transformed
             function then takes ``key=``.
 
@@ -79,6 +81,12 @@ def stats(
     if not globs or not all(isinstance(g, str) and g for g in globs):
         raise ConfigError(f"vk.curvature.stats: layers must be a glob or a list of globs, got {layers!r}.")
     which = (which,) if isinstance(which, str) else tuple(which)
+    if "variance" in which:
+        raise ConfigError(
+            "vk.curvature.stats: 'variance' is now 'backpack_variance': BackPACK's Variance, "
+            "(1/N) sum_n g_n^2 - ((1/N) sum_n g_n)^2 of g_n = grad l_n / N. vk.inspect.gradient_stats's "
+            "variance is of grad l_n itself (N^2 times larger); the two names say which is which."
+        )
     unknown = [w for w in which if w not in STATISTICS]
     if unknown or not which:
         raise ConfigError(
@@ -244,12 +252,12 @@ def layer_stats(
             out[name] = as_params(*_per_example_sq(a, rows(seeds)))
     if any(s in which for s in FIRST_ORDER):
         dd = rows(d)
-        if "sum_grad_squared" in which or "variance" in which:
+        if "sum_grad_squared" in which or "backpack_variance" in which:
             sgs = as_params(*_per_example_sq(a, dd[None]))
             if "sum_grad_squared" in which:
                 out["sum_grad_squared"] = sgs
-            if "variance" in which:
-                out["variance"] = jax.tree.map(
+            if "backpack_variance" in which:
+                out["backpack_variance"] = jax.tree.map(
                     lambda s, g: _variance(s, g.astype(dtype), n), sgs, _used(grad_params, sgs)
                 )
         if "batch_l2" in which:
@@ -316,12 +324,14 @@ def local_stats(
         out["diag_ggn"] = square_sum(exact)
     if "diag_ggn_mc" in which:
         out["diag_ggn_mc"] = square_sum(mc)
-    if "sum_grad_squared" in which or "variance" in which:
+    if "sum_grad_squared" in which or "backpack_variance" in which:
         sgs = square_sum(d[None])
         if "sum_grad_squared" in which:
             out["sum_grad_squared"] = sgs
-        if "variance" in which:
-            out["variance"] = jax.tree.map(lambda s, g: _variance(s, g.astype(dtype), n), sgs, grad_params)
+        if "backpack_variance" in which:
+            out["backpack_variance"] = jax.tree.map(
+                lambda s, g: _variance(s, g.astype(dtype), n), sgs, grad_params
+            )
     if "batch_l2" in which:
         pe = per_example(d)
         out["batch_l2"] = jax.tree.map(

@@ -107,5 +107,5 @@ class LayerCurvature:
     diag_ggn_mc: Any = None
     sum_grad_squared: Any = None
     batch_l2: Any = None
-    variance: Any = None
+    backpack_variance: Any = None
     layout: Layout | None = dataclasses.field(default=None, metadata=dict(static=True))
