@@ -27,8 +27,9 @@ PAGE = {
     "vjpkit.train": "train",
     "vjpkit.inspect": "inspect",
     "vjpkit.curvature": "curvature",
+    "vjpkit.stats": "stats",
 }
-MODULES = ("vjpkit", "vjpkit.nn", "vjpkit.train", "vjpkit.inspect", "vjpkit.curvature")
+MODULES = ("vjpkit", "vjpkit.nn", "vjpkit.train", "vjpkit.inspect", "vjpkit.curvature", "vjpkit.stats")
 
 
 def _public_modules() -> list:

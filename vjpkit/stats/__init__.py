@@ -2,8 +2,10 @@
 parameter gradient in matrix form (``Rows``), and what both read from it.
 
 Examples:
-    >>> rows = [vjpkit.stats.Rows.dense(x, d, W.shape), vjpkit.stats.Rows.bias(d, b.shape)]
-    >>> vjpkit.stats.sq_norms(rows[:1])  # ||x_i^T d_i||^2 per example, by the ghost norm
+    >>> from vjpkit import stats
+    >>> x, d = jnp.ones((8, 16, 32)), jnp.ones((8, 16, 64))  # (B, T, in), (B, T, out)
+    >>> stats.sq_norms([stats.Rows.dense(x, d, (32, 64))]).shape  # ||X_i^T D_i||^2, ghost norm
+    (8,)
 """
 
 from ._rows import OneHot as OneHot
