@@ -16,14 +16,18 @@ step; ``--no-host`` skips it),
 matching (steps, per-example norms of a transformer block, trace-time matching; ``--no-plain``
 skips it, ``--plain-parts`` picks some), and ``curvature_bench.py``'s curvature statistics and
 K-FAC updates against a gradient step (``--no-curvature`` skips it; ``--no-kfac-jax`` only its
-kfac-jax part). The wall time of each part is in the JSON's ``meta["part_s"]``.
+kfac-jax part), and ``real_models_bench.py``'s per-example gradient norms on a GPT-2-, a ViT- and
+a ResNet-shaped plain-JAX model (``--no-real-models`` skips it). The wall time of each part is in
+the JSON's ``meta["part_s"]``.
 
 Usage: ``python benchmarks/run.py [--quick] [--models cnn,mlp_small] [--rounds 15] [--block 20]
 [--compile-repeats 3] [--peers flax,equinox,torch] [--only-first-call] [--no-per-example]
 [--no-eager] [--no-host] [--no-quickstart] [--no-plain] [--plain-parts steps,per_example,trace]
-[--no-curvature] [--no-kfac-jax] [--out PATH] [--write-docs]``. What the rows, columns and memory
-figures are: ``benchmarks/README.md``. ``--write-docs`` also rewrites the step-time table of
-``docs/performance.md`` (between its ``run.py:step-table`` markers) from the run's results.
+[--no-curvature] [--no-kfac-jax] [--no-real-models] [--out PATH] [--write-docs]``. What the rows,
+columns and memory figures are: ``benchmarks/README.md``. ``--write-docs`` also rewrites the
+step-time table of ``docs/performance.md`` (between its ``run.py:step-table`` markers) from the
+run's results, and its real-model per-example table (between its ``run.py:real-models-table``
+markers) unless ``--no-real-models``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import eager_bench
 import peers
 import plain_bench
 import quickstart_bench
+import real_models_bench
 from models import EXTRA_RAW, MODELS, data, loss_of
 
 import vjpkit as vk
@@ -391,6 +396,7 @@ def markdown(results, pex=None):
 
 DOCS_PAGE = HERE.parent / "docs" / "performance.md"
 STEP_TABLE_MARKERS = ("<!-- run.py:step-table:start -->", "<!-- run.py:step-table:end -->")
+REAL_MODELS_MARKERS = ("<!-- run.py:real-models-table:start -->", "<!-- run.py:real-models-table:end -->")
 
 
 def _limit(target):
@@ -465,10 +471,14 @@ def replace_marked(text, body, markers=STEP_TABLE_MARKERS):
     return head + start + "\n" + body.strip("\n") + "\n" + end + tail
 
 
-def write_docs(results, meta, page=DOCS_PAGE):
-    """Rewrite the step-time table of ``docs/performance.md`` from this run's results."""
+def write_docs(results, meta, page=DOCS_PAGE, real_models=None):
+    """Rewrite the step-time table of ``docs/performance.md`` from this run's results, and with
+    ``real_models`` (``real_models_bench.run``'s result) its real-model per-example table too."""
     page = pathlib.Path(page)
-    page.write_text(replace_marked(page.read_text(), step_table(results, meta)))
+    text = replace_marked(page.read_text(), step_table(results, meta))
+    if real_models is not None:
+        text = replace_marked(text, real_models_bench.docs_table(real_models), REAL_MODELS_MARKERS)
+    page.write_text(text)
     return page
 
 
@@ -571,12 +581,18 @@ def main(argv=None):
     )
     parser.add_argument("--no-eager", action="store_true", help="skip eager_bench.py's eager-call comparison")
     parser.add_argument("--no-kfac-jax", action="store_true", help="skip curvature_bench.py's kfac-jax part")
+    parser.add_argument(
+        "--no-real-models",
+        action="store_true",
+        help="skip real_models_bench.py's per-example norms on GPT-2-, ViT- and ResNet-shaped models",
+    )
     parser.add_argument("--out", default=str(HERE / "results.json"))
     parser.add_argument(
         "--write-docs",
         action="store_true",
         help="after the run, rewrite docs/performance.md's step-time table (between its "
-        "run.py:step-table markers) from its results",
+        "run.py:step-table markers) and, unless --no-real-models, its real-model per-example table "
+        "(run.py:real-models-table markers) from its results",
     )
     args = parser.parse_args(argv)
     if args.write_docs and (args.quick or args.only_first_call):
@@ -584,6 +600,8 @@ def main(argv=None):
     if args.write_docs:  # before the run, not after it: the page must have its markers
         try:
             replace_marked(DOCS_PAGE.read_text(), "")
+            if not args.no_real_models:
+                replace_marked(DOCS_PAGE.read_text(), "", REAL_MODELS_MARKERS)
         except (OSError, ValueError) as err:
             parser.error(f"--write-docs: {DOCS_PAGE}: {err}")
     rounds, block = (3, 3) if args.quick else (args.rounds, args.block)
@@ -602,7 +620,7 @@ def main(argv=None):
     if only_first:  # PyTorch has no compilation; the other benchmarks time steady-state calls
         selected = [p for p in selected if p != "torch"]
         args.no_per_example = args.no_host = args.no_quickstart = args.no_plain = True
-        args.no_curvature = args.no_eager = True
+        args.no_curvature = args.no_eager = args.no_real_models = True
     threads = os.cpu_count() or 1
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     start, cpu_before = time.perf_counter(), cpu_times()
@@ -643,6 +661,7 @@ def main(argv=None):
         args.no_curvature,
         lambda: curvature_bench.run(args.quick, kfac_jax=not args.no_kfac_jax),
     )
+    real_models = part("real_models", args.no_real_models, lambda: real_models_bench.run(args.quick))
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -671,6 +690,7 @@ def main(argv=None):
         "quickstart": quick_mem,
         "plain": plain,
         "curvature": curvature,
+        "real_models": real_models,
     }
     pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(run_line(meta))
@@ -687,8 +707,11 @@ def main(argv=None):
         print(plain_bench.markdown(plain))
     if curvature is not None:
         print(curvature_bench.markdown(curvature))
+    if real_models is not None:
+        print(real_models_bench.markdown(real_models))
     if args.write_docs:
-        print(f"wrote the step-time table of {write_docs(results, meta)}")
+        which = "step-time table" if real_models is None else "step-time and real-model tables"
+        print(f"wrote the {which} of {write_docs(results, meta, real_models=real_models)}")
     return out
 
 

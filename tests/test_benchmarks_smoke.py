@@ -88,7 +88,8 @@ def check_first_call_split(result, stdout, repeats=1):
 @pytest.mark.slow
 def test_benchmark_quick_run_writes_json(tmp_path):
     # plain_bench.py's trace part: test_plain_bench_standalone
-    data, stdout = run_bench(tmp_path, "--plain-parts", "steps,per_example")
+    # real_models_bench.py: test_real_models_bench_quick
+    data, stdout = run_bench(tmp_path, "--plain-parts", "steps,per_example", "--no-real-models")
     meta = data["meta"]
     assert {"date", "machine", "cpu_count", "jax", "backend", "versions"} <= set(meta)
     assert {"jax", "flax", "equinox", "torch"} <= set(meta["versions"])
@@ -134,6 +135,7 @@ def test_benchmark_quick_run_writes_json(tmp_path):
     assert "Curvature statistics" in stdout
     side = curvature["kfac_jax"]["status"]  # kfac-jax beside it: ran, or skipped with the reason
     assert side == "ok" or side.startswith("skipped: "), side
+    assert data["real_models"] is None
 
 
 PLAIN_ROWS = ["raw JAX", "vjpkit, matched, no hooks", "vjpkit, matched, capture norms"]
@@ -215,6 +217,7 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
         "--no-plain",
         "--no-eager",
         "--no-curvature",
+        "--no-real-models",
         env=env,
     )
     rows = {row["variant"]: row for row in data["results"][0]["rows"]}
@@ -224,7 +227,7 @@ def test_benchmark_reports_missing_peers_as_skipped(tmp_path):
     for name in ["Equinox", *TORCH_ROWS]:
         assert rows[name]["status"].startswith("skipped: ImportError: simulated: no ")
     assert all(rows[name]["status"] == "ok" for name in JAX_ROWS)
-    for part in ("per_example", "eager", "host", "quickstart", "plain", "curvature"):
+    for part in ("per_example", "eager", "host", "quickstart", "plain", "curvature", "real_models"):
         assert data[part] is None, part
     assert "| Equinox | skipped: ImportError" in stdout
 
@@ -244,8 +247,61 @@ def test_benchmark_only_first_call(tmp_path):
         assert rows[name]["status"] == "skipped: --only-first-call"
     assert all(t["target"].startswith("first call: ") for t in result["targets"])
     check_first_call_split(result, stdout)
-    for part in ("per_example", "eager", "host", "quickstart", "plain"):
+    for part in ("per_example", "eager", "host", "quickstart", "plain", "real_models"):
         assert data[part] is None, part
+
+
+REAL_ROWS = [
+    "value_and_grad",
+    "vk.inspect.per_example_grad_norms",
+    "vk.inspect.per_example_grad_norms, check=False",
+    "vmap(grad) + norms",
+    "vk.value_and_grad capture every layer's norms",
+]
+
+
+@pytest.mark.slow
+def test_real_models_bench_quick(tmp_path):
+    """real_models_bench.py --quick on its three models: rows, targets, warnings recorded, norms
+    agreeing with vmap(grad)'s; then its docs table fits docs/performance.md's markers."""
+    out = tmp_path / "real.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "real_models_bench.py"), "--quick"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], capture_output=True, text=True, timeout=600, env=smoke_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["quick"] is True and data["models"] == ["gpt2", "vit", "resnet"]
+    assert [r["model"] for r in data["results"]] == data["models"]
+    assert {"date", "machine", "jax", "commit", "vjpkit_uncommitted"} <= set(data["meta"])
+    for r in data["results"]:
+        assert [row["variant"] for row in r["rows"]] == REAL_ROWS, r["model"]
+        for row in r["rows"]:
+            assert row["median_ms"] > 0 and row["temp_mb"] > 0 and row["time_ratio"] > 0, row["variant"]
+            assert len(row["call_s_per_round"]) == data["rounds"]
+            assert all({"category", "message", "source", "phase"} <= set(w) for w in row["warnings"])
+        assert r["rows"][0]["time_ratio"] == r["rows"][0]["temp_ratio"] == 1.0
+        for variant, diff in r["norms_max_rel_diff_vs_vmap_grad"].items():
+            assert diff < 1e-3, (r["model"], variant, diff)
+        assert all(d < 1e-4 for d in r["loss_abs_diff_vs_value_and_grad"].values()), r["model"]
+        assert r["per_example_layers"] and r["captured_layers"], r["model"]
+        assert len(r["targets"]) == 3 and all(t["met"] in (True, False) for t in r["targets"])
+    assert len(data["targets"]) == 9
+    assert proc.stdout.count("| vmap(grad) + norms |") == 3 and "largest relative difference" in proc.stdout
+    # the docs table: run.py --write-docs puts it between its markers in docs/performance.md
+    path_before = list(sys.path)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import real_models_bench
+        import run
+    finally:
+        sys.path[:] = path_before
+    table = real_models_bench.docs_table(data)
+    assert table.count("| vmap(grad) + norms |") == 1 and "| row | gpt2 | vit | resnet |" in table
+    page = (ROOT / "docs" / "performance.md").read_text()
+    start, end = run.REAL_MODELS_MARKERS
+    updated = run.replace_marked(page, table, run.REAL_MODELS_MARKERS)
+    assert updated.split(start)[0] == page.split(start)[0] and updated.split(end)[1] == page.split(end)[1]
 
 
 CNN_PEERS_SCRIPT = """
