@@ -41,7 +41,7 @@ FULL_ONLY_FILES = frozenset(
     {
         # subprocess and multi-device scripts
         "test_sharding.py", "test_plain_sharded.py", "test_curvature_sharded.py",
-        "test_mesh_delivery.py", "test_resume.py",
+        "test_mesh_delivery.py", "test_resume.py", "test_multiprocess_fit.py",
         # oracles
         "test_curvature_backpack.py", "test_curvature_kfac_jax.py", "test_kfac_jax_matcher.py",
         # examples

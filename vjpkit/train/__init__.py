@@ -2,6 +2,7 @@
 
 from ._checkpoint import CheckpointDamagedError as CheckpointDamagedError
 from ._checkpoint import restore as restore
+from ._distributed import initialize as initialize
 from ._fit import fit as fit
 from ._sharding import batch_sharding as batch_sharding
 from ._sharding import check_mesh as check_mesh
@@ -19,6 +20,7 @@ __all__ = [
     "check_mesh",
     "data_mesh",
     "fit",
+    "initialize",
     "make_step",
     "replicate",
     "replicated",

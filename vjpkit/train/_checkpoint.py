@@ -42,6 +42,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from .._errors import ConfigError
+from ._distributed import barrier, gather, multi, primary
 
 __all__ = ["CheckpointDamagedError", "Checkpointer", "restore"]
 
@@ -61,9 +62,13 @@ class CheckpointDamagedError(ConfigError):
             match its checksum"``.
     """
 
-    def __init__(self, step: int, path: str, reason: str):
-        self.step, self.path, self.reason = step, path, reason
+    def __init__(self, step: int, path: str, reason: str, *, leaf: int = -1):
+        self.step, self.path, self.reason, self.leaf = step, path, reason, leaf
         super().__init__(f"checkpoint step {step} ({path}) is damaged: {reason}.")
+
+
+def _changed(where: str) -> str:
+    return f"the array at state{where} does not match its checksum (its bytes changed on disk after the save)"
 
 
 def _is_key(x: Any) -> bool:
@@ -153,13 +158,81 @@ def _to_savable(leaf: Any) -> Any:
     return np.asarray(leaf)
 
 
-def _checksum(value: Any) -> str | None:
-    """SHA-256 of an array's bytes (C order), or None for an array this process cannot read
-    whole (sharded over several hosts: each host holds only its shards)."""
-    if isinstance(value, jax.Array) and not value.is_fully_addressable:
-        return None
-    a = np.ascontiguousarray(np.asarray(value))
+def _digest(a: Any) -> str:
+    a = np.ascontiguousarray(np.asarray(a))
     return "sha256:" + hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest()
+
+
+def _index_key(index: tuple, shape: tuple) -> str:
+    """A shard's place in its array, ``"0:4,0:16"`` (start:stop per dimension)."""
+    return ",".join("{}:{}".format(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def _whole_key(shape: tuple) -> str:
+    return ",".join(f"0:{n}" for n in shape)
+
+
+def _over_hosts(value: Any) -> bool:
+    """An array split over several processes: no process holds all of it."""
+    return (
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and not value.sharding.is_fully_replicated
+    )
+
+
+def _checksums(values: list[Any]) -> list[dict]:
+    """Per leaf ``{"sha256": digest of its bytes (C order)}``; an array split over several
+    processes gets ``{"sha256": None, "shards": {index key: digest}}``, one digest per distinct
+    shard, computed by the process that holds it and gathered (a collective: every process saves)."""
+    out: list[dict] = []
+    plan = []  # (leaf, shard key, owning process): the same list in every process
+    for i, value in enumerate(values):
+        if _over_hosts(value):
+            owners: dict[str, int] = {}
+            for device, index in value.sharding.devices_indices_map(value.shape).items():
+                key = _index_key(index, value.shape)
+                owners[key] = min(owners.get(key, device.process_index), device.process_index)
+            plan += [(i, key, owners[key]) for key in sorted(owners)]
+            out.append({"sha256": None, "shards": {}})
+        elif isinstance(value, jax.Array) and not value.is_fully_addressable:  # replicated
+            out.append({"sha256": _digest(value.addressable_data(0))})
+        else:
+            out.append({"sha256": _digest(value)})
+    if plan:
+        mine = jax.process_index()
+        rows = np.zeros((len(plan), 32), np.uint8)
+        for r, (i, key, owner) in enumerate(plan):
+            if owner == mine:
+                shards = values[i].addressable_shards
+                shard = next(s for s in shards if _index_key(s.index, values[i].shape) == key)
+                rows[r] = np.frombuffer(bytes.fromhex(_digest(shard.data)[7:]), np.uint8)
+        everyone = gather(rows)
+        for r, (i, key, owner) in enumerate(plan):
+            out[i]["shards"][key] = "sha256:" + everyone[owner, r].tobytes().hex()
+    return out
+
+
+def _intact(entry: dict, value: Any) -> bool:
+    """Whether ``value`` matches the checksums recorded in ``entry``, for every part of it that
+    this process holds (each process checks its own shards)."""
+    whole, shards = entry.get("sha256"), entry.get("shards") or {}
+    shape = tuple(np.shape(value))
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        parts = {_index_key(s.index, shape): s.data for s in value.addressable_shards}
+    elif whole is None:  # saved split over processes, read whole here: check every recorded shard
+        parts = {key: np.asarray(value)[_slices(key)] for key in shards}
+    else:
+        parts = {_whole_key(shape): value}
+    for key, part in parts.items():
+        expected = shards.get(key, whole if key == _whole_key(shape) else None)
+        if expected is not None and _digest(part) != expected:
+            return False
+    return True
+
+
+def _slices(key: str) -> tuple:
+    return tuple(slice(*map(int, part.split(":"))) for part in key.split(",") if part)
 
 
 class Checkpointer:
@@ -197,6 +270,8 @@ class Checkpointer:
             # a reader (vk.train.restore) must not remove the temporary directory of a save
             # that a training process has in progress
             cleanup_tmp_directories=not _read_only,
+            # several processes: each writes its own shards, process 0 the metadata and the commit
+            multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=0),
         )
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -273,8 +348,8 @@ class Checkpointer:
             )
         spec, leaves, _ = _tree_spec(state)
         savable = [_to_savable(leaf) for leaf in leaves]
-        for entry, value in zip(spec, savable):
-            entry["sha256"] = _checksum(value)
+        for entry, sums in zip(spec, _checksums(savable)):
+            entry.update(sums)
         arrays = _nest(spec, savable)
         tree = {"format": _FORMAT, "version": _VERSION, "leaves": spec}
         items = {_META: ocp.args.JsonSave(meta), _TREE: ocp.args.JsonSave(tree)}
@@ -330,18 +405,9 @@ class Checkpointer:
             values = [_pluck(restored, k) for k in keys]
         except Exception as e:  # a truncated or missing file: tensorstore, orbax or OS errors
             raise CheckpointDamagedError(step, path, f"its arrays cannot be read ({_brief(e)})") from e
-        for entry, value in zip(entries, values):
-            expected = entry.get("sha256")
-            if expected is None:
-                continue
-            got = _checksum(value)
-            if got is not None and got != expected:
-                raise CheckpointDamagedError(
-                    step,
-                    path,
-                    f"the array at state{entry['path']} does not match its checksum (its bytes changed "
-                    "on disk after the save)",
-                )
+        for leaf, (entry, value) in enumerate(zip(entries, values)):
+            if not _intact(entry, value):
+                raise CheckpointDamagedError(step, path, _changed(entry["path"]), leaf=leaf)
         return values
 
     def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
@@ -366,12 +432,37 @@ class Checkpointer:
                 checksum, or a file is truncated, missing or unreadable.
         """
         step = self._pick(step)
-        saved, meta = self._read_json(step)
-        spec, leaves, treedef = _tree_spec(target)
-        self._check_match(step, spec, saved["leaves"])
-        values = self._read_arrays(step, saved, [_abstract(leaf) for leaf in leaves])
+        damage = None
+        try:
+            saved, meta = self._read_json(step)
+            spec, leaves, treedef = _tree_spec(target)
+            self._check_match(step, spec, saved["leaves"])
+            values = self._read_arrays(step, saved, [_abstract(leaf) for leaf in leaves])
+        except CheckpointDamagedError as err:
+            damage = err
+        self._agree(step, damage, target)
         out = [_from_saved(v, leaf) for v, leaf in zip(values, leaves)]
         return jax.tree_util.tree_unflatten(treedef, out), meta
+
+    def _agree(self, step: int, damage: CheckpointDamagedError | None, target: Any) -> None:
+        """Raises ``damage``, or, in a run of several processes, the damage any process found:
+        each process checks the shards it reads, and all of them must take the same decision."""
+        if not multi():
+            if damage is not None:
+                raise damage
+            return
+        found = gather([damage is not None, -1 if damage is None else damage.leaf])
+        bad = [p for p in range(len(found)) if found[p, 0]]
+        if not bad:
+            return
+        if damage is not None:
+            damage.reason += f" (found by process {jax.process_index()})"
+            raise CheckpointDamagedError(step, damage.path, damage.reason, leaf=damage.leaf) from damage
+        first, leaf = bad[0], int(found[bad[0], 1])
+        paths = _tree_spec(target)[0]
+        reason = _changed(paths[leaf]["path"]) if 0 <= leaf < len(paths) else "its files cannot be read"
+        reason += f" (found by process {first})"
+        raise CheckpointDamagedError(step, self.step_path(step), reason, leaf=leaf)
 
     def restore_newest_intact(self, target: Any) -> tuple[Any, dict, int] | None:
         """Restores the newest checkpoint that is intact, skipping damaged newer ones.
@@ -399,6 +490,8 @@ class Checkpointer:
                 continue
             for err in problems:
                 moved = self._move_aside(err.step)
+                if not primary():  # one warning for the run, from process 0
+                    continue
                 warnings.warn(
                     f"{err} Resuming from checkpoint step {step}, the newest intact one; the damaged "
                     f"checkpoint was moved to {moved}.",
@@ -414,12 +507,15 @@ class Checkpointer:
         )
 
     def _move_aside(self, step: int) -> str:
+        """Moves checkpoint ``step`` to ``<dir>/damaged/<step>`` (process 0 moves; all wait)."""
         src = self.step_path(step)
         dst = os.path.join(self.directory, _DAMAGED, str(step))
-        if os.path.exists(dst):
-            dst = f"{dst}.{time.strftime('%Y%m%dT%H%M%S')}"
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        shutil.move(src, dst)
+        if primary():
+            if os.path.exists(dst):
+                dst = f"{dst}.{time.strftime('%Y%m%dT%H%M%S')}"
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.move(src, dst)
+        barrier(f"vjpkit checkpoint {step} moved aside")
         self._manager.reload()
         return dst
 

@@ -5,7 +5,10 @@ Contract: ``ArrayBatches`` draws batch ``t`` of a run from the step count alone:
 exactly the batches the uninterrupted run would have. An incomplete last batch of an epoch is
 dropped. ``IterableBatches`` wraps any iterable; resuming skips the batches already
 consumed, and a batch whose size differs from the first one's (an uneven last batch) is
-skipped with a warning. Both check, before anything is compiled, that every leaf of a batch has the same
+skipped with a warning; with ``local=True`` (one process's batches of a multi-process run, where
+a skip would leave the processes on different steps) it raises ``ConfigError`` naming the
+process, as does an iterable that ends before ``until`` steps.
+Both check, before anything is compiled, that every leaf of a batch has the same
 leading size, and that the batch size fits the data.
 """
 
@@ -107,8 +110,9 @@ class IterableBatches:
     or generator loses nothing.
     """
 
-    def __init__(self, data: Iterable):
-        self.data = data
+    def __init__(self, data: Iterable, *, local: bool = False):
+        self.data, self.local = data, local
+        self.until: int | None = None  # with local: the steps every process must run
         self._it: Iterator[Any] | None = None
         self._first: list = []
 
@@ -134,6 +138,12 @@ class IterableBatches:
             if n == size and step < start:  # already consumed by the run being resumed
                 step += 1
                 continue
+            if n != size and self.local:
+                raise ConfigError(
+                    f"fit (local_data): process {jax.process_index()}'s local batch {step} has {n} "
+                    f"rows, its first had {size}. With local data every process must feed batches of "
+                    "the same size at every step: drop or pad the uneven batch in your loader."
+                )
             if n != size:
                 warnings.warn(
                     f"fit skipped a batch of {n} examples (the batches have {size}): an uneven batch "
@@ -143,9 +153,18 @@ class IterableBatches:
                 )
                 continue
             yield batch
+            step += 1
+        if self.local and self.until is not None and step < self.until:
+            raise ConfigError(
+                f"fit (local_data): process {jax.process_index()}'s iterable of local batches ended "
+                f"after {step} batches, before steps={self.until}. Every process must run the same "
+                "steps: give each process at least that many batches."
+            )
 
 
-def make_batches(data: Any, batch_size: int | None, seed: int) -> ArrayBatches | IterableBatches:
+def make_batches(
+    data: Any, batch_size: int | None, seed: int, *, local: bool = False
+) -> ArrayBatches | IterableBatches:
     """Arrays (an array, or a tuple or dict of arrays) need ``batch_size``; anything else is
     taken as an iterable of batches (a list, a generator, a data loader) and must not get one."""
     if hasattr(data, "shape") or isinstance(data, (tuple, dict)):
@@ -159,4 +178,4 @@ def make_batches(data: Any, batch_size: int | None, seed: int) -> ArrayBatches |
         )
     if batch_size is not None:
         raise ConfigError("fit got an iterable of batches: drop batch_size= (the batches set it).")
-    return IterableBatches(data)
+    return IterableBatches(data, local=local)

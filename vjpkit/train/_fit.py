@@ -20,6 +20,7 @@ ends bit-identical to an uninterrupted one.
 from __future__ import annotations
 
 import collections
+import hashlib
 import inspect
 import sys
 import time
@@ -37,6 +38,7 @@ from .._errors import ConfigError, NonFiniteError
 from .._host import _pack
 from ..inspect._nonfinite import first_nonfinite
 from ._data import ArrayBatches, check_batch, make_batches
+from ._distributed import gather, multi, primary
 from ._state import TrainState
 from ._step import _wants_key, build_step, check_optimizer, init_hook_state
 
@@ -112,6 +114,7 @@ def fit(
     progress: bool | None = None,
     nan_policy: str = "stop",
     log_every: int = 50,
+    local_data: bool = False,
 ) -> tuple[TrainState, dict]:
     """Trains ``params`` on ``data`` with ``optimizer``; returns ``(state, history)``.
 
@@ -156,6 +159,19 @@ def fit(
             first layer with a non-finite cotangent; ``"continue"`` warns for every non-finite
             step and goes on; ``"off"`` does not check.
         log_every: steps between fetches of the metrics (and progress updates).
+        local_data: in a run of several processes (``jax.distributed``), each process passes
+            only its own rows: arrays (``batch_size`` is still the global batch; each process
+            takes ``batch_size // jax.process_count()`` of its rows per step, shuffled by the
+            same ``(seed, epoch)`` permutation in every process) or an iterable of local batches
+            (with ``steps=``). ``fit`` assembles step ``t``'s global batch from every process's
+            batch ``t``, in process order, with ``jax.make_array_from_process_local_data``.
+            Needs ``mesh=``. A local batch whose size, leaves or batches per epoch differ from
+            process 0's raises ``ConfigError`` naming the process.
+
+    Several processes: every process calls ``fit`` with the same arguments (and, without
+    ``local_data``, the same data). Process 0 alone shows the progress bar, calls
+    ``on_metrics`` and ``on_records`` (with the global records, gathered inside the step) and
+    warns; every process writes its shards of each checkpoint and resumes from it.
 
     Returns:
         The final ``TrainState`` and ``history = {"step": [...], "loss": [...],
@@ -183,7 +199,10 @@ def fit(
         raise ConfigError("fit: checkpoint_every= needs checkpoint_dir=.")
     _check_loss_signature(loss_fn)
     _check_float_params(params)
-    batches = make_batches(data, batch_size, seed)
+    processes = jax.process_count() if local_data else 1
+    if local_data:
+        batch_size = _local_batch_size(mesh, batch_size, steps, data)
+    batches = make_batches(data, batch_size, seed, local=local_data)
     if epochs is not None:
         if not isinstance(batches, ArrayBatches):
             raise ConfigError(
@@ -194,11 +213,17 @@ def fit(
         steps = epochs * batches.per_epoch
     if steps is None and isinstance(batches, ArrayBatches):
         raise ConfigError("fit: with array data, pass steps= or epochs=.")
+    if local_data and not isinstance(batches, ArrayBatches):
+        batches.until = steps
 
     first = batches.first()
     if first is None:
         raise ConfigError("fit: the data yielded no batch.")
     size = check_batch(first)
+    if local_data:
+        _check_local_batches(first, batches)
+        size *= processes  # the global batch; traced with zeros of its shape
+        first = jax.tree.map(lambda a: np.zeros((size, *np.shape(a)[1:]), np.asarray(a).dtype), first)
     if mesh is not None:
         from ._sharding import check_mesh
 
@@ -209,10 +234,22 @@ def fit(
         loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy, report_finite=True
     )
     jax.eval_shape(step_fn, state, first)  # every trace-time check, before any compile
+    if mesh is not None:  # the state stays replicated: every process can read it, one program
+        step_fn = _keep_replicated(step_fn, _replicated(mesh))
     unpack: list = []  # the records' unpack function, set when the step is traced
     if on_records is not None:
-        step_fn = _packing(step_fn, unpack)
+        # several processes: the records are gathered inside the step, to every process (one
+        # compiled program for all), and process 0 hands them to on_records
+        everywhere = mesh is not None and multi()
+        step_fn = _packing(step_fn, unpack, _replicated(mesh) if everywhere else None)
     del first  # an iterable's first batch is handed to the loop; keep no extra reference
+    if not primary():  # process 0 prints, logs and calls on_records
+        on_records = on_metrics = None
+        progress = False
+    if mesh is not None:  # placed before a restore, so that each process reads its own shards
+        from ._sharding import replicate
+
+        state = replicate(state, mesh)
 
     checkpointer = None
     bar = None
@@ -237,6 +274,7 @@ def fit(
             batches,
             step_fn,
             loss_fn,
+            put=_placer(mesh, local_data),
             steps=steps,
             scan_steps=scan_steps,
             eval_fn=eval_fn,
@@ -246,7 +284,6 @@ def fit(
             on_metrics=on_metrics,
             checkpointer=checkpointer,
             checkpoint_every=checkpoint_every,
-            mesh=mesh,
             seed=seed,
             bar=bar,
             nan_policy=nan_policy,
@@ -260,16 +297,113 @@ def fit(
     return state, history
 
 
-def _packing(step_fn: Callable, unpack: list) -> Callable:
-    """``step_fn`` whose captured records leave as one buffer per dtype (``metrics["records"]``)."""
+def _packing(step_fn: Callable, unpack: list, sharding: Any = None) -> Callable:
+    """``step_fn`` whose captured records leave as one buffer per dtype (``metrics["records"]``),
+    placed with ``sharding`` when one is given."""
 
     def step(state, batch):
         state, metrics = step_fn(state, batch)
         buffers, unpack_fn = _pack(metrics.pop("captured"))
+        if sharding is not None:
+            buffers = [jax.lax.with_sharding_constraint(b, sharding) for b in buffers]
         unpack[:] = [unpack_fn]
         return state, {**metrics, "records": buffers}
 
     return step
+
+
+def _keep_replicated(step_fn: Callable, sharding: Any) -> Callable:
+    def step(state, batch):
+        state, metrics = step_fn(state, batch)
+        return jax.lax.with_sharding_constraint(state, sharding), metrics
+
+    return step
+
+
+def _replicated(mesh: Any) -> Any:
+    from ._sharding import replicated
+
+    return replicated(mesh)
+
+
+def _placer(mesh: Any, local_data: bool) -> Callable:
+    """``put(batch, batch_dim)``: a host batch onto ``mesh`` (as is without one); with
+    ``local_data``, this process's rows of the global batch."""
+    if mesh is None:
+        return lambda b, dim=0: b
+    from ._sharding import batch_sharding, shard_batch
+
+    if not local_data:
+        return lambda b, dim=0: shard_batch(b, mesh, batch_dim=dim)
+    n = jax.process_count()
+
+    def put(batch: Any, dim: int = 0) -> Any:
+        sharding = batch_sharding(mesh, batch_dim=dim)
+
+        def one(a):
+            a = np.asarray(a)
+            shape = (*a.shape[:dim], a.shape[dim] * n, *a.shape[dim + 1 :])
+            return jax.make_array_from_process_local_data(sharding, a, shape)
+
+        return jax.tree.map(one, batch)
+
+    return put
+
+
+def _local_batch_size(mesh: Any, batch_size: int | None, steps: int | None, data: Any) -> int | None:
+    """With ``local_data``: this process's rows per step (from the global ``batch_size``)."""
+    if mesh is None:
+        raise ConfigError(
+            "fit: local_data=True assembles each step's global batch on a mesh: pass "
+            "mesh=vjpkit.train.data_mesh() too."
+        )
+    n = jax.process_count()
+    if batch_size is None:
+        if multi() and steps is None:
+            raise ConfigError(
+                f"fit (process {jax.process_index()}): with local_data and an iterable of local "
+                "batches, pass steps=: every process must run the same number of steps, and a "
+                "process whose iterable ends first would leave the others waiting."
+            )
+        return None
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        return batch_size  # make_batches names the problem
+    if batch_size % n:
+        raise ConfigError(
+            f"fit: with local_data, batch_size={batch_size} is the global batch, split over "
+            f"{n} processes; it must be a multiple of {n} (each process takes batch_size // {n} "
+            "of its rows per step)."
+        )
+    return batch_size // n
+
+
+def _check_local_batches(first: Any, batches: Any) -> None:
+    """Every process's local batch has process 0's rows, leaves and batches per epoch (a
+    collective: every process checks at once, and all raise the same error)."""
+    with_path = jax.tree_util.tree_leaves_with_path(first)
+    shapes = f"{[(_format.where(p), np.shape(a)[1:], str(np.asarray(a).dtype)) for p, a in with_path]}"
+    digest = np.frombuffer(hashlib.sha256(shapes.encode()).digest()[:8], np.int32)
+    per_epoch = batches.per_epoch if isinstance(batches, ArrayBatches) else -1
+    found = gather([check_batch(first), per_epoch, *digest.tolist()])
+    me = jax.process_index()
+    for p in range(1, len(found)):
+        if found[p, 0] != found[0, 0]:
+            raise ConfigError(
+                f"fit (local_data): process {p}'s local batch has {found[p, 0]} rows but process 0's "
+                f"has {found[0, 0]}. Every process must feed the same number of rows per step."
+            )
+        if found[p, 1] != found[0, 1]:
+            raise ConfigError(
+                f"fit (local_data): process {p}'s data gives {found[p, 1]} batches per epoch but "
+                f"process 0's gives {found[0, 1]}. Give every process the same number of rows, so "
+                "that all run the same steps."
+            )
+        if list(found[p, 2:]) != list(found[0, 2:]):
+            raise ConfigError(
+                f"fit (local_data): process {p}'s local batch differs from process 0's in its leaves' "
+                f"trailing shapes or dtypes (process {me} has {shapes}). Every process must feed "
+                "batches of the same structure."
+            )
 
 
 _REFRESH_SECONDS = 1.0  # the progress bar's loss and count are fetched at least this often
@@ -290,6 +424,7 @@ def _loop(
     step_fn: Callable,
     loss_fn: Callable,
     *,
+    put: Callable,
     steps: int | None,
     scan_steps: int,
     eval_fn: Callable | None,
@@ -299,20 +434,11 @@ def _loop(
     on_metrics: Callable | None,
     checkpointer: Any,
     checkpoint_every: int | None,
-    mesh: Any,
     seed: int,
     bar: Any,
     nan_policy: str,
     log_every: int,
 ) -> tuple[TrainState, dict]:
-    if mesh is not None:
-        from ._sharding import replicate, shard_batch
-
-        state = replicate(state, mesh)
-        put = lambda b, dim=0: shard_batch(b, mesh, batch_dim=dim)
-    else:
-        put = lambda b, dim=0: b
-
     single = jax.jit(step_fn, donate_argnums=0)
     multi = jax.jit(lambda s, bs: jax.lax.scan(step_fn, s, bs), donate_argnums=0) if scan_steps > 1 else None
     history: dict[str, list] = {"step": [], "loss": [], "eval": [], "nonfinite": []}
@@ -324,6 +450,7 @@ def _loop(
     pending: list[list] = []  # [t0, k, metrics, batches or None]
     last_eval: dict = {}
     stop: list[int] = []  # the first non-finite step under "stop", once seen
+    halt: list[int] = []  # ... as on_records saw it (several processes: stop is seen at a flush)
     outbox: collections.deque = collections.deque()  # [t0, k, records, finite, stacked]
     in_callback = [False]  # on_records is running: an exception from it ends delivery
 
@@ -336,7 +463,7 @@ def _loop(
             host, finite = jax.device_get((records, finite))
             finite = np.atleast_1d(finite)
             for i in range(k):
-                if stop and t0 + i > stop[0]:  # after the non-finite step under "stop": none
+                if (stop and t0 + i > stop[0]) or (halt and t0 + i > halt[0]):  # after it: none
                     outbox.clear()
                     return
                 in_callback[0] = True
@@ -344,15 +471,19 @@ def _loop(
                 in_callback[0] = False
                 if nan_policy == "stop" and not finite[i]:  # the last step whose records go out
                     outbox.clear()
-                    if check:
-                        flush()  # raises NonFiniteError for this step
+                    halt.append(t0 + i)
+                    # raises NonFiniteError for this step; with several processes, at the next
+                    # flush, which every process reaches at the same step
+                    if check and not multi():
+                        flush()
                     return
 
     def dispatch(stepper: Callable, batch: Any, k: int, stacked: bool, kept: Any) -> None:
         nonlocal state
         state, metrics = stepper(state, batch)
+        records = metrics.pop("records", None)  # process 0 delivers them; the others drop them
         if on_records is not None:
-            outbox.append([t, k, metrics.pop("records"), metrics["finite"], stacked])
+            outbox.append([t, k, records, metrics["finite"], stacked])
         pending.append([t, k, metrics, kept])
         if on_records is not None:
             ready = 0  # the finished dispatches: handed over now, with no wait
@@ -398,7 +529,7 @@ def _loop(
                     if nan_policy == "stop":
                         stop.append(step)
                         bad_batch = kept[i] if kept is not None else None
-                    else:
+                    elif primary():
                         _warn_nonfinite(step)
         pending.clear()
         show()
