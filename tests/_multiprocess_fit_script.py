@@ -145,6 +145,12 @@ def local_data() -> dict:
     c, hc = fit(local, local_data=True)
     d, hd = fit(glued)
     errors = []
+    x_bad = X.copy()
+    x_bad[0] = np.nan  # one bad example: NonFiniteError in every process, at the same step
+    try:
+        fit((x_bad, Y), steps=STEPS, log_every=2)
+    except vk.NonFiniteError as err:
+        errors.append(f"NonFiniteError at step {err.step}")
     short = (local[0][: rows - 16 * (ME == P - 1)], local[1][: rows - 16 * (ME == P - 1)])
     bad_leaf = (local[0].astype(np.float64) if ME == P - 1 else local[0], local[1])
     for bad in (short, bad_leaf):
@@ -168,7 +174,7 @@ def checkpointed(directory: pathlib.Path, die_at: int | None = None):
             steps=CKPT_STEPS,
             hooks={"fc1": vk.ema_normalize(0.9)},
             checkpoint_dir=str(directory),
-            checkpoint_every=2,
+            checkpoint_every=4,
         )
     damaged = [str(w.message) for w in caught if "damaged" in str(w.message)]
     return {

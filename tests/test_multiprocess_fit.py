@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -138,9 +139,9 @@ def test_damaged_checkpoint_files_are_detected_and_the_run_falls_back(runs, proc
     first, *others = runs[processes]
     assert f"state/ocdbt.process_{processes - 1}/d/" in " ".join(first["damaged_files"])
     (warning,) = first["after_damage"]["warnings"]  # process 0 warns, once
-    assert "checkpoint step 8" in warning and "Resuming from checkpoint step 6" in warning
+    assert "checkpoint step 8" in warning and "Resuming from checkpoint step 4" in warning
     for run in runs[processes]:
-        assert run["after_damage"]["first_step"] == 6
+        assert run["after_damage"]["first_step"] == 4
         assert run["after_damage"]["state"] == run["straight"]["state"]
     assert all(run["after_damage"]["warnings"] == [] for run in others)
 
@@ -172,9 +173,46 @@ def test_process_local_data_equals_the_global_data(runs, processes, devices):
 def test_mismatched_local_data_is_a_config_error_naming_the_process(runs, processes, devices):
     last = processes - 1
     for run in runs[processes]:
-        rows, dtype = run["local"]["errors"]
+        _, rows, dtype = run["local"]["errors"]
         assert f"process {last}'s data gives" in rows and "process 0's gives" in rows
         assert f"process {last}'s local batch differs from process 0's" in dtype
+
+
+@pytest.mark.parametrize(("processes", "devices"), LAYOUTS)
+def test_a_non_finite_step_stops_every_process_at_the_same_step(runs, processes, devices):
+    stops = {run["local"]["errors"][0] for run in runs[processes]}
+    assert len(stops) == 1 and next(iter(stops)).startswith("NonFiniteError at step "), stops
+
+
+def test_the_docs_recipe_runs_as_two_processes(tmp_path):
+    """docs/training-scale.md's train_multihost.py, launched as the page says, then rerun (resume)."""
+    page = (ROOT / "docs" / "training-scale.md").read_text()
+    (block,) = re.findall(r"```text\n(# train_multihost\.py\n.*?)```", page, re.S)
+    (tmp_path / "train_multihost.py").write_text(block)
+    command = [sys.executable, "-m", "vjpkit.train.launch", "-n", "2", "--cpu-devices", "2"]
+    command += ["--timeout", "200", "train_multihost.py"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "[0] 2 processes 4 devices 20 (64, 4)\n" in proc.stdout
+    assert re.search(r"^\[0\] final loss \d", proc.stdout, re.M)
+    assert "[1] final loss" not in proc.stdout and "[1] 2 processes" not in proc.stdout
+    assert {"10", "20"} <= set(os.listdir(tmp_path / "ckpt"))
+
+
+def test_the_example_starts_itself_as_two_processes():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "multiprocess_fit.py"), "--steps", "6"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "[0] 2 processes, 4 devices, 6 steps" in proc.stdout
+    assert "[0] on_records calls on process 0: 6;" in proc.stdout
+    assert "[0] every process holds the same parameters: True" in proc.stdout
+    assert "[1] every process" not in proc.stdout
 
 
 # ----------------------------------------------------------------- one process, in this one

@@ -333,9 +333,19 @@ def _placer(mesh: Any, local_data: bool) -> Callable:
         return lambda b, dim=0: b
     from ._sharding import batch_sharding, shard_batch
 
-    if not local_data:
+    if not multi():
         return lambda b, dim=0: shard_batch(b, mesh, batch_dim=dim)
     n = jax.process_count()
+    if not local_data:  # the same global batch in every process: each places its own rows
+
+        def put_global(batch: Any, dim: int = 0) -> Any:
+            sharding = batch_sharding(mesh, batch_dim=dim)
+            # a jax.device_put of host data onto other hosts' devices would first compare the
+            # values across processes, every step (and a NaN never equals itself)
+            place = lambda a: jax.make_array_from_callback(np.shape(a), sharding, lambda i: np.asarray(a)[i])
+            return jax.tree.map(place, batch)
+
+        return put_global
 
     def put(batch: Any, dim: int = 0) -> Any:
         sharding = batch_sharding(mesh, batch_dim=dim)
