@@ -118,7 +118,16 @@ def train() -> dict:
         mesh=data_mesh(),
         progress=False,
     )
+    # make_step, unchanged: the state replicated, the global batch sharded, by hand
+    mesh, drawn = data_mesh(), ArrayBatches((X, Y), BATCH, seed=SEED)
+    step = vk.train.make_step(loss_fn, OPT)
+    by_hand = vk.train.replicate(vk.train.TrainState.create(PARAMS, OPT, seed=SEED), mesh)
+    step_losses = []
+    for t in range(2):
+        by_hand, m = step(by_hand, vk.train.shard_batch(drawn.batch(t), mesh))
+        step_losses.append(float(m["loss"]))
     return {
+        "make_step": step_losses,
         "params": flat(state.params),
         "losses": history["loss"],
         "records": records,

@@ -23,6 +23,14 @@ a file truncated or missing, unreadable JSON). ``restore_newest_intact`` (what `
 walks back from the newest checkpoint to the newest intact one, warning for each damaged one
 and moving it aside to ``<dir>/damaged/<step>`` so the run can save that step again.
 
+Several processes (``jax.distributed``): every process calls ``save`` and ``restore`` at the
+same point. Each writes its own shards (orbax's multi-process save, process 0 the metadata and
+the commit) and restores its own shards onto ``target``'s sharding, with no transfer between
+hosts. An array split over processes is recorded with one checksum per shard (gathered to
+process 0 when saving); each process checks what it reads, and the processes agree (one
+``process_allgather``) before ``restore`` returns or raises, so all of them skip the same
+damaged checkpoint. Process 0 moves it aside, behind a barrier, and warns.
+
 Typed PRNG key arrays (``jax.random.key``) are stored as their key data and rewrapped with
 ``target``'s key implementation. No pickle is involved.
 """
