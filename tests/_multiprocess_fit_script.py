@@ -151,8 +151,8 @@ def local_data() -> dict:
         for p in range(P)
     ]
     glued = [jax.tree.map(lambda *xs: np.concatenate(xs), *[q.batch(t) for q in parts]) for t in range(STEPS)]
-    c, hc = fit(local, local_data=True)
-    d, hd = fit(glued)
+    c, hc = fit(local, local_data=True, scan_steps=2)  # stacked local batches, split on dim 1
+    d, hd = fit(glued, scan_steps=2)
     errors = []
     x_bad = X.copy()
     x_bad[0] = np.nan  # one bad example: NonFiniteError in every process, at the same step
