@@ -248,7 +248,9 @@ def test_fallback_layers_warn_and_match():
 
 
 @pytest.mark.slow
-def test_params_outside_layers_fall_back():
+def test_params_outside_layers_are_per_example_in_the_same_pass():
+    """A leaf used only outside the layers (a temperature) is given to the loss broadcast over the
+    examples: its gradient in the one backward pass is per example, with no fallback."""
     params, x, y = mlp_setup(batch=4)
     params = dict(params, temperature=jnp.array(1.5))
 
@@ -257,7 +259,24 @@ def test_params_outside_layers_fall_back():
         logits = mlp.apply(rest, x) / p["temperature"]
         return jnp.mean(jax.nn.logsumexp(logits, 1) - jnp.take_along_axis(logits, y[:, None], 1)[:, 0])
 
-    with pytest.warns(UserWarning, match=r"'temperature' \(used outside any vjpkit layer"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_value, grads, norms = run(loss, params, x, y)
+    assert_norms_match(norms, loss, params, x, y, owners={"temperature": "temperature"})
+    tree_allclose((loss_value, grads), jax.value_and_grad(loss)(params, x, y), rtol=1e-5, atol=1e-6)
+
+
+def test_params_in_a_loop_outside_layers_fall_back():
+    params, x, y = mlp_setup(batch=4)
+    params = dict(params, temperature=jnp.array(1.5))
+
+    def loss(p, x, y):  # the temperature carried through a loop: vmap(grad) for that leaf
+        rest = {k: v for k, v in p.items() if k != "temperature"}
+        t = jax.lax.fori_loop(0, 2, lambda i, t: t * 1.0, p["temperature"])
+        logits = mlp.apply(rest, x) / t
+        return jnp.mean(jax.nn.logsumexp(logits, 1) - jnp.take_along_axis(logits, y[:, None], 1)[:, 0])
+
+    with pytest.warns(UserWarning, match=r"'temperature' \(no fast path: the leaf is carried"):
         _, _, norms = run(loss, params, x, y)
     assert_norms_match(norms, loss, params, x, y, owners={"temperature": "temperature"})
 
@@ -305,7 +324,7 @@ def test_tied_transposed_weight_falls_back_exactly_naming_the_leaf():
     assert_norms_match(norms, loss, params, x)
 
 
-def test_plain_jax_is_matched_and_without_matching_is_plain_vmap(monkeypatch):
+def test_plain_jax_is_matched_and_without_matching_is_per_example_too(monkeypatch):
     w = jax.random.normal(jax.random.key(0), (3, 2))
     x = jax.random.normal(jax.random.key(1), (4, 3))
 
@@ -317,8 +336,9 @@ def test_plain_jax_is_matched_and_without_matching_is_plain_vmap(monkeypatch):
         warnings.simplefilter("error")
         _, _, norms = run(loss, {"w": w}, x)
     assert_norms_match(norms, loss, {"w": w}, x, owners={"w": "w"})
-    monkeypatch.setenv("VJPKIT_MATCH", "0")  # no layer at all: vmap(grad), with a warning
-    with pytest.warns(UserWarning, match="'w'"):
+    monkeypatch.setenv("VJPKIT_MATCH", "0")  # no layer at all: w given per example, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         _, _, norms = run(loss, {"w": w}, x)
     assert_norms_match(norms, loss, {"w": w}, x, owners={"w": "w"})
 
@@ -385,8 +405,9 @@ def test_dp_clip_cnn_and_sequence_and_fallback():
     y = jax.random.randint(jax.random.key(1), (6,), 0, 2)
     params = dict(model.init(jax.random.key(2), x), temperature=jnp.array(1.5))
 
-    def loss(p, x, y):  # the temperature is a parameter outside any layer: its leaf falls back
-        logits = model.apply({k: v for k, v in p.items() if k != "temperature"}, x) / p["temperature"]
+    def loss(p, x, y):  # the temperature is carried through a loop outside any layer: it falls back
+        t = jax.lax.fori_loop(0, 2, lambda i, t: t * 1.0, p["temperature"])
+        logits = model.apply({k: v for k, v in p.items() if k != "temperature"}, x) / t
         return jnp.mean(jax.nn.logsumexp(logits, 1) - jnp.take_along_axis(logits, y[:, None], 1)[:, 0])
 
     key = jax.random.key(4)

@@ -13,11 +13,17 @@ transform and the inspect tools choose calls:
 
 ``call=None`` stands for a layer as a whole (all its calls, as per-layer statistics are): only
 globs without ``#`` or whose call part is ``*`` match it.
+
+Series of a layer called inside ``lax.scan`` (the ``Recorder``'s and the plots') are keyed per
+iteration, ``blocks/fc[2]`` (``name#k[i][j]`` under nested scans). ``matches_key`` reads a
+trailing ``[i]`` (digits or ``*``) of a glob as that iteration: ``blocks/fc[2]`` matches only
+``blocks/fc[2]``, ``blocks/fc[*]`` and ``blocks/fc`` every iteration.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable
 
 from ._records import call_key
@@ -53,9 +59,33 @@ def split_key(key: str) -> tuple[str, int]:
     return key, 0
 
 
+_ITERATIONS = re.compile(r"((?:\[(?:\d+|\*)\])+)$")
+
+
+def _split_iterations(s: str) -> tuple[str, tuple[str, ...]]:
+    """``("blocks/fc#1", ("2",))`` for ``"blocks/fc#1[2]"``; no suffix: ``(s, ())``."""
+    m = _ITERATIONS.search(s)
+    if m is None:
+        return s, ()
+    return s[: m.start()], tuple(m.group(1)[1:-1].split("]["))
+
+
 def matches_key(key: str, glob: str) -> bool:
-    """``matches`` for a call key (``fc``, ``fc#1``), as results are keyed."""
-    return matches(*split_key(key), glob)
+    """``matches`` for a call key (``fc``, ``fc#1``, ``blocks/fc[2]``), as results are keyed.
+
+    Examples:
+        >>> matches_key("blocks/fc[2]", "blocks/fc[2]"), matches_key("blocks/fc[1]", "blocks/fc[2]")
+        (True, False)
+        >>> matches_key("blocks/fc[1]", "blocks/*"), matches_key("blocks/fc[1]", "blocks/fc[*]")
+        (True, True)
+    """
+    base, iterations = _split_iterations(key)
+    glob_base, wanted = _split_iterations(glob)
+    if wanted and (
+        len(wanted) != len(iterations) or any(w not in ("*", i) for w, i in zip(wanted, iterations))
+    ):
+        return False
+    return matches(*split_key(base), glob_base)
 
 
 def call_keys(names: Iterable[str]) -> list[str]:

@@ -18,7 +18,6 @@ input and output, which must have ``n`` entries (the examples).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -102,31 +101,8 @@ def stats(
 
 
 def _patches(x: jax.Array, layout: Layout, kernel: tuple[int, ...]) -> jax.Array:
-    """The unfolded patches of a channels-last conv input, ``(N, *out_spatial, prod(kernel))``,
-    features ordered as the kernel's leading axes ``(*window, c_in)``: one strided slice of the
-    padded input per window offset (data movement only; ``lax.conv_general_dilated_patches``
-    would multiply by a one-hot kernel, ``prod(kernel)`` times the work of the layer's input)."""
-    window = kernel[:-1]
-    nd = len(window)
-    spatial = x.shape[1 : 1 + nd]
-    strides = tuple(layout.strides) or (1,) * nd
-    dilation = tuple(layout.dilation) or (1,) * nd
-    extent = tuple((k - 1) * d + 1 for k, d in zip(window, dilation))
-    padding = layout.padding
-    pads = lax.padtype_to_pads(spatial, extent, strides, padding) if isinstance(padding, str) else padding
-    config = [(0, 0, 0), *((int(lo), int(hi), 0) for lo, hi in pads), (0, 0, 0)]
-    xp = lax.pad(x, jnp.zeros((), x.dtype), config)
-    out = tuple((xp.shape[1 + i] - extent[i]) // strides[i] + 1 for i in range(nd))
-    cols = []
-    for offset in itertools.product(*(range(k) for k in window)):
-        start = (0, *(o * d for o, d in zip(offset, dilation)), 0)
-        limit = (
-            xp.shape[0],
-            *(s + (n - 1) * st + 1 for s, n, st in zip(start[1:], out, strides)),
-            xp.shape[-1],
-        )
-        cols.append(lax.slice(xp, start, limit, (1, *strides, 1)))
-    return jnp.concatenate(cols, axis=-1)
+    """``vjpkit.stats.patches`` of a conv layer's input with the layer's own geometry."""
+    return statslayer.patches(x, kernel[:-1], layout.strides, layout.padding, layout.dilation)
 
 
 def _rows_in(layout: Layout, x: jax.Array, w_shape: tuple[int, ...]) -> jax.Array:

@@ -59,9 +59,13 @@ Each parameter leaf gets its per-example gradient one of these ways:
   bias gradient is ``sum_t d_it``.
 * convolutions (``nn.conv2d``, ``nn.conv1d`` and Flax ``Conv`` give their kind with their own
   strides, padding and dilation; nothing is inferred from shapes; a custom layer with a
-  conv-shaped ``weight`` is a conv only with ``conv={glob: (stride, padding)}``): the
-  per-example kernel gradients of that layer only, a vmapped vjp of
-  ``lax.conv_general_dilated`` per example (``B * prod(kernel shape)`` floats).
+  conv-shaped ``weight`` is a conv only with ``conv={glob: (stride, padding)}``): the ghost norm
+  over the unfolded patches when ``P^2 <= K c_out`` (``P`` output positions per example), else
+  the per-example kernel gradients of that layer only, a vmapped vjp of
+  ``lax.conv_general_dilated`` per example (``B * prod(kernel shape)`` floats); both in
+  ``vjpkit.stats`` (``Rows.conv``), with dense weights and lookups.
+* a leaf used only outside the layers, not in a loop or branch (a class token, a temperature):
+  given to the loss broadcast over the examples, its gradient in the same pass is per example.
 * affine norms (layers that note themselves as ``_kinds.AffineNorm``: ``nn.rms_norm``,
   ``nn.batch_norm`` in eval mode): ``y = x_hat * scale + bias`` on the last axis, with
   ``x_hat`` recomputed from the captured ``input``; per example the ``scale`` gradient is
@@ -90,8 +94,10 @@ Each parameter leaf gets its per-example gradient one of these ways:
 * a runtime consistency check (``check=True``, besides the one on independent examples above):
   per fast-path leaf, the sum of the per-example gradients must equal the batch gradient (for
   dense weights through a fixed random projection, a matrix-vector product), to a relative
-  tolerance of 1e-3 of a bound on the rounding error. A
-  leaf with a dense-shaped ``{"weight", "bias"}`` and no kind is taken as dense by its shapes;
+  tolerance of 1e-3 of a bound on the rounding error. A dense weight or lookup table all of
+  whose uses have a kind (read from the layer, or from the equation by plain-JAX matching) is
+  ``x^T d`` by construction and skips it (on a 50k-vocabulary tied head it cost 0.2x a step).
+  A leaf with a dense-shaped ``{"weight", "bias"}`` and no kind is taken as dense by its shapes;
   if it is not (a custom layer), the check fails and that leaf gets NaN norms (and NaN DP
   gradients), never a silently wrong value, and a ``UserWarning`` names the layer when the
   computation runs (a host callback, only when a check fails).
@@ -122,7 +128,6 @@ from .._names import matches_key
 
 __all__ = ["PerExampleNorms", "dp_clip", "dp_noise", "per_example_grad_norms"]
 
-_DN = {4: ("NHWC", "HWIO", "NHWC"), 3: ("NWC", "WIO", "NWC")}  # by kernel ndim
 # loss_fn on examples 0 and 1 together against its values on each alone (float32 losses; 8 eps
 # for a less precise dtype): the two programs round differently
 _MIX_RTOL, _MIX_ATOL = 1e-4, 1e-5
@@ -176,12 +181,15 @@ def _per_example_loss(
     who: str,
     lifted: frozenset = frozenset(),
     with_losses: bool = False,
+    given: frozenset = frozenset(),
 ) -> Callable:
     """``fun(params, *batch)``: ``mean_i l_i`` (or the sum), the ``l_i`` vmapped over the examples.
 
-    The params leaves ``lifted`` (indices) are broadcast over the examples and vmapped like the
-    batch: the layer calls that use them are then per-example calls whose ``grad_params`` is
-    ``grad l_i`` of those leaves, and their gradient sums back through the broadcast. With
+    The params leaves ``given`` (indices) come broadcast over the examples already, and are
+    vmapped like the batch: the gradient with respect to them is ``grad l_i`` per example (times
+    the mean's ``1/B``). The params leaves ``lifted`` (indices) are broadcast over the examples
+    and vmapped like the batch: the layer calls that use them are then per-example calls whose
+    ``grad_params`` is ``grad l_i`` of those leaves, and their gradient sums back through the broadcast. With
     ``with_losses``, ``fun`` returns ``(L, (l_0, ..., l_{B-1}))`` (for ``has_aux``).
     """
 
@@ -197,14 +205,14 @@ def _per_example_loss(
 
     def fun(params, *batch):
         axes = None
-        if lifted:
+        if lifted or given:
             size = int(np.shape(jax.tree.leaves(batch)[0])[0])
             flat, treedef = jax.tree.flatten(params)
             flat = [
                 jnp.broadcast_to(a, (size, *jnp.shape(a))) if i in lifted else a for i, a in enumerate(flat)
             ]
             params = jax.tree.unflatten(treedef, flat)
-            axes = jax.tree.unflatten(treedef, [0 if i in lifted else None for i in range(len(flat))])
+            axes = jax.tree.unflatten(treedef, [0 if i in lifted | given else None for i in range(len(flat))])
         losses = jax.vmap(single, in_axes=(axes, *([0] * n_batch)))(params, *batch)
         total = jnp.mean(losses) if reduction == "mean" else jnp.sum(losses)
         return (total, losses) if with_losses else total
@@ -634,7 +642,7 @@ def _dense_axes(kind: LayerKind | None, w: tuple[int, ...], n_out_axes: int) -> 
 # --------------------------------------------------------------------------------------------
 # Per-leaf per-example gradients, implicit (dense weights) or materialised (the rest).
 
-_ROWS = {("dense", "weight"), ("lookup", "weight")}  # the uses stats.Rows holds
+_ROWS = {("dense", "weight"), ("lookup", "weight"), ("conv", "weight")}  # the uses stats.Rows holds
 
 
 def _tol(dtype: Any) -> float:
@@ -696,12 +704,21 @@ class _Factored(_Leaf):
         return self.guard(stats.sum_sq(self.rows))
 
 
-def _rows(call: _Call, view: _View, mode: Any, param_leaves: list, shape: tuple, scaled) -> Any:
-    """One use of a dense weight or a lookup table as ``stats.Rows``, examples first."""
+def _rows(call: _Call, view: _View, use: _Use, param_leaves: list, shape: tuple, scaled) -> Any:
+    """One use of a dense weight, a conv kernel or a lookup table as ``stats.Rows``, examples
+    first (a conv's rows are its output positions, ``a`` the unfolded patches)."""
     x, d = view.single()
-    d = scaled(d)
     fk = call.foreign
+    if use.kind == "conv":
+        strides, padding, dilation = use.conv
+        if x.size <= d.size:
+            x, d = scaled(x), d.astype(jnp.float32)
+        else:
+            x, d = x.astype(jnp.float32), scaled(d)
+        return stats.Rows.conv(x, d, shape, strides, padding, dilation)
+    mode = use.conv
     if fk is not None and fk.kind == "lookup":
+        d = scaled(d)
         index = _lookup_index(call, param_leaves, x, view.x_axes[0])
         if mode == "clip":
             return stats.Rows.lookup(jnp.clip(index, 0, shape[0] - 1), d, shape)
@@ -710,7 +727,12 @@ def _rows(call: _Call, view: _View, mode: Any, param_leaves: list, shape: tuple,
     n_in_axes = fk.in_ndim if fk is not None else 1
     lead = x.ndim - n_in_axes
     left, right = _dense_axes(fk, shape, d.ndim - lead)
-    x = x.astype(jnp.float32).reshape(x.shape[0], -1, int(np.prod(x.shape[lead:])))
+    x = x.reshape(x.shape[0], -1, int(np.prod(x.shape[lead:])))
+    # the mean's factor B on the smaller of the two (a tied head's cotangent is B x T x vocab)
+    if x.size <= d.size:
+        x, d = scaled(x), d.astype(jnp.float32)
+    else:
+        x, d = x.astype(jnp.float32), scaled(d)
     return stats.Rows.dense(x, d, shape, left, right)
 
 
@@ -756,27 +778,6 @@ def _local_per_example(call: _Call, param_leaves: list, view: _View) -> dict[str
     return dict(zip(call.params, g))
 
 
-def _conv_per_example(x: jax.Array, d: jax.Array, kernel_shape, strides, padding, dilation) -> jax.Array:
-    """Per-example kernel gradients ``(B, *kernel_shape)`` of one conv call (1-D or 2-D), exactly;
-    ``x``, ``d``: the example axis first, then the example's own leading axes (its batch of one)."""
-    zero = jnp.zeros(kernel_shape, x.dtype)
-    n = len(kernel_shape) - 2
-    dn = _DN[n + 2]
-
-    def one(xi, di):
-        xi = xi.reshape(-1, *xi.shape[xi.ndim - n - 1 :])
-        di = di.reshape(-1, *di.shape[di.ndim - n - 1 :])
-
-        def conv(w):
-            return jax.lax.conv_general_dilated(
-                xi, w, strides, padding, rhs_dilation=dilation, dimension_numbers=dn
-            )
-
-        return jax.vjp(conv, zero)[1](di)[0]
-
-    return jax.vmap(one)(x, d)
-
-
 # --------------------------------------------------------------------------------------------
 # The analysis shared by per_example_grad_norms, dp_clip and gradient_stats.
 
@@ -816,8 +817,8 @@ def analyze(
 
     ``select(layer name)`` limits the per-example work to the leaves of some layers (the others,
     and leaves used by no layer, get ``None``); all leaves are analysed when it is ``None``.
-    ``norms=False`` says the caller reads no per-example norm (only ``sum_sq``): the dense
-    consistency check then bounds its rounding without the ghost norm's Gram matrices.
+    ``norms=False`` says the caller reads no per-example norm (only ``sum_sq``); kept for the
+    callers, the statistics layer needs no such hint.
     """
     batch_size = _batch_size(batch, who)
     flat_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -872,7 +873,20 @@ def analyze(
         if c.name in lifted_names and c.batched:
             lifted -= {ix for ix, _ in c.params.values()}
     lifted_names = {c.name for ix in lifted for c in users[ix]}
-    run = _per_example_loss(loss_fn, len(batch), reduction, who, frozenset(lifted), with_losses=True)
+    # Leaves used only outside every layer, not in a loop or branch (a class token broadcast and
+    # concatenated, a bare scale): given to the loss broadcast over the examples, so that their
+    # gradient in the one backward pass is per example (B x their size floats).
+    given = frozenset(
+        i for i in range(len(paths)) if wanted[i] and i in outside and not outside[i][0] and i not in users
+    )
+    run = _per_example_loss(loss_fn, len(batch), reduction, who, frozenset(lifted), True, given)
+    run_params = params
+    if given:
+        flat = jax.tree.leaves(params)
+        flat = [
+            jnp.broadcast_to(a, (batch_size, *jnp.shape(a))) if i in given else a for i, a in enumerate(flat)
+        ]
+        run_params = jax.tree.unflatten(treedef, flat)
 
     def _could_be_fast(c: _Call) -> bool:
         if c.name in lifted_names or not any(
@@ -892,10 +906,17 @@ def analyze(
         specs.append(_capture([_escape(n) for n in sorted(lifted_names)], fields=["grad_params"]))
     if specs:
         ((loss, losses), grads), captured = _vk_value_and_grad(run, has_aux=True, capture=specs)(
-            params, *batch
+            run_params, *batch
         )
     else:
-        ((loss, losses), grads), captured = jax.value_and_grad(run, has_aux=True)(params, *batch), {}
+        ((loss, losses), grads), captured = jax.value_and_grad(run, has_aux=True)(run_params, *batch), {}
+    per_given = {}
+    if given:  # per example for the given leaves; their batch gradient is the sum over examples
+        flat = jax.tree.leaves(grads)
+        per_given = {i: flat[i] for i in given}
+        grads = jax.tree.unflatten(
+            treedef, [g.sum(0).astype(g.dtype) if i in given else g for i, g in enumerate(flat)]
+        )
     if check:
         _check_independent(loss_fn, params, batch, losses, reduction, who)
     grad_leaves = jax.tree.leaves(grads)
@@ -932,6 +953,9 @@ def analyze(
         if not wanted[i]:
             leaves.append(None)
             continue
+        if i in given:
+            leaves.append(_Materialized(scaled(per_given[i])))
+            continue
         if i in lifted:
             g = _lifted_per_example(i, users[i], captured, tuple(grad_leaves[i].shape), batch_size)
             if g is None:
@@ -950,6 +974,8 @@ def analyze(
             continue
         kind, role = kinds.pop()
         agg = grad_leaves[i] if check else None
+        if kind == "rows" and all(calls_by_key[x.key].foreign is not None for x in u):
+            agg = None  # every use's layout was read from its equation or its layer: nothing guessed
         vs = [views[x.key] for x in u]
         shape = tuple(grad_leaves[i].shape)
         for x_use in u:
@@ -1003,7 +1029,7 @@ def _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scale
             ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
         return _Materialized(g, ok)
     if kind == "rows":
-        rows = [_rows(calls_by_key[x.key], v, x.conv, param_leaves, shape, scaled) for v, x in zip(vs, u)]
+        rows = [_rows(calls_by_key[x.key], v, x, param_leaves, shape, scaled) for v, x in zip(vs, u)]
         ok = None if agg is None else stats.check(rows, scaled(agg), _tol(agg.dtype))
         return _Factored(rows, ok)
     pairs = [v.single() for v in vs]
@@ -1019,18 +1045,7 @@ def _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scale
             bound = sum(jnp.sum(jnp.abs(a.reshape(-1, *shape)), axis=0) for a in ds)
             ok = _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
         return _Materialized(g, ok)
-    # conv kernel
-    g = 0.0
-    bound = 0.0
-    for (x, d), x_use in zip(pairs, u):
-        strides, padding, dilation = x_use.conv
-        xi, di = x.astype(jnp.float32), scaled(d)
-        g = g + _conv_per_example(xi, di, shape, strides, padding, dilation)
-        axes = tuple(range(1, xi.ndim))
-        per = jnp.sqrt(jnp.sum(jnp.square(xi), axis=axes) * jnp.sum(jnp.square(di), axis=axes))
-        bound = bound + jnp.sqrt(float(np.prod(shape[:-2]))) * jnp.sum(per)
-    ok = None if agg is None else _check(scaled(agg), jnp.sum(g, axis=0), bound, _tol(agg.dtype))
-    return _Materialized(g, ok)
+    raise AssertionError(f"no per-example rule for {kind!r} {role!r}")
 
 
 class _Stacked(_Leaf):

@@ -245,17 +245,24 @@ def _recorder_series(recorder: Any, field: str) -> dict[str, tuple[np.ndarray, n
         )
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for key in dict.fromkeys(s[0] for s in chosen):
-        total: dict[int, float] = {}
+        total: dict[str, dict[int, float]] = {}  # series name -> step -> squared norm
         for s in chosen:
             if s[0] != key:
                 continue
             steps, values = recorder.series(*s)
-            if np.ndim(values) != 1:
+            values = np.asarray(values, dtype=np.float64)
+            if reduction == "value" and values.ndim != 1:
                 raise ConfigError(f"plot_gradient_flow: the Recorder series {s} is not scalar per step.")
-            for step, v in zip(steps.tolist(), values.tolist()):
-                total[step] = total.get(step, 0.0) + v * v
-        steps = np.asarray(sorted(total), dtype=np.float64)
-        out[key] = (steps, np.sqrt([total[int(t)] for t in steps]))
+            # a layer inside lax.scan has one norm per iteration, stacked: one series per block,
+            # named key[i] (key[i][j] under nested scans)
+            for index in np.ndindex(*values.shape[1:]):
+                name = key + "".join(f"[{i}]" for i in index)
+                series = total.setdefault(name, {})
+                for step, v in zip(steps.tolist(), values[(slice(None), *index)].tolist()):
+                    series[step] = series.get(step, 0.0) + v * v
+        for name, series in total.items():
+            steps = np.asarray(sorted(series), dtype=np.float64)
+            out[name] = (steps, np.sqrt([series[int(t)] for t in steps]))
     return out
 
 

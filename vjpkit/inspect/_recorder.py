@@ -165,6 +165,18 @@ def _leaves(tree: Any, single: str, reductions: frozenset | None) -> Iterator[tu
             yield _format.path(path), single, leaf
 
 
+def _iterations(key: str, reduction: str, leaf: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """A reduced leaf of a layer called inside ``lax.scan`` holds one reduction per iteration,
+    stacked (a scalar per call, a histogram per call): one series per iteration, keyed
+    ``key[i]`` (``key[i][j]`` under nested scans). Whole arrays (``"value"``) stay as they are."""
+    lead = leaf.ndim - (1 if reduction == "histogram" else 0)
+    if reduction == "value" or lead <= 0:
+        yield key, leaf
+        return
+    for index in np.ndindex(*leaf.shape[:lead]):
+        yield key + "".join(f"[{i}]" for i in index), leaf[index]
+
+
 def _fmt(x: Any) -> str:
     return "-" if x is None else f"{x:.4g}"
 
@@ -253,7 +265,8 @@ class Recorder:
                     if value is None:
                         continue
                     for path, reduction, leaf in _leaves(value, self._single, reductions):
-                        self._add(Series(str(key), field, path, reduction), step, np.asarray(leaf))
+                        for name, part in _iterations(str(key), reduction, np.asarray(leaf)):
+                            self._add(Series(name, field, path, reduction), step, part)
             self.steps_seen += 1
             self.first_step = step if self.first_step is None else min(self.first_step, step)
             self.last_step = step if self.last_step is None else max(self.last_step, step)

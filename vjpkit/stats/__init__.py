@@ -8,6 +8,8 @@ Examples:
     (8,)
 """
 
+from ._patches import patches as patches
+from ._rows import Conv as Conv
 from ._rows import OneHot as OneHot
 from ._rows import Rows as Rows
 from ._rows import check as check
@@ -16,4 +18,4 @@ from ._rows import sq_norms as sq_norms
 from ._rows import sum_sq as sum_sq
 from ._rows import weighted_sum as weighted_sum
 
-__all__ = ["OneHot", "Rows", "check", "materialize", "sq_norms", "sum_sq", "weighted_sum"]
+__all__ = ["Conv", "OneHot", "Rows", "check", "materialize", "patches", "sq_norms", "sum_sq", "weighted_sum"]

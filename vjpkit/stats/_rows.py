@@ -7,7 +7,8 @@ gradients: for each example ``i`` (axis 0 of every array),
     entries) then ``right`` (``n`` entries), transposed back to the leaf's own axis order.
 
 ``a`` is ``(B, R, m)`` (a dense layer's input rows: every position of the example, or a conv's
-unfolded patches) or a ``OneHot`` (an embedding lookup: the row of the table each position reads);
+unfolded patches, ``Rows.conv``) or a ``OneHot`` (an embedding lookup: the row of the table each
+position reads);
 ``b`` is ``(B, R, n)`` (the output cotangent rows). A bias is ``a = 1``: ``Rows.bias(d)``. A leaf
 used by several calls (a layer called twice, an embedding tied to the head) is a list of ``Rows``
 whose ``g_i`` add, cross terms included.
@@ -42,6 +43,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ._patches import patches
 
 _CHUNK = 1 << 24  # floats of g_i formed at once by sum_sq / materialize when they must be formed
 
@@ -80,6 +83,16 @@ class Rows(NamedTuple):
         )
 
     @classmethod
+    def conv(cls, x: jax.Array, d: jax.Array, kernel: Sequence[int], strides: Sequence[int] = (),
+             padding: Any = "VALID", dilation: Sequence[int] = ()) -> Conv:  # fmt: skip
+        """A channels-last convolution with an HWIO (WIO, DHWIO) ``kernel``: ``x (B, ..., *spatial,
+        c_in)``, ``d (B, ..., *out_spatial, c_out)``. A ``Conv``: its rows are the output positions
+        with ``a`` the unfolded patches (``patches``), formed only for the ghost norm."""
+        kernel = tuple(int(k) for k in kernel)
+        nd = len(kernel) - 2
+        return Conv(x, d, kernel, tuple(strides) or (1,) * nd, padding, tuple(dilation) or (1,) * nd)
+
+    @classmethod
     def bias(cls, d: jax.Array, shape: Sequence[int]) -> Rows:
         """A bias added on the trailing axes of the output: ``a = 1``, ``b = d``'s rows."""
         shape = tuple(int(s) for s in shape)
@@ -114,6 +127,74 @@ class Rows(NamedTuple):
     def swapped(self) -> Rows:
         """The same rows with ``a`` and ``b`` exchanged (a dense ``a`` only)."""
         return Rows(self.b, self.a, self.right, self.left, self.shape)
+
+
+_DN = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}
+
+
+class Conv(NamedTuple):
+    """A convolution's use of its kernel (``Rows.conv``): as ``Rows`` of patches for the ghost
+    norm (``P^2 <= K c_out`` with ``P`` output positions per example, ``K`` the patch size), else
+    each example's kernel gradient by the convolution's own vjp (``B x`` the kernel floats, no
+    patches)."""
+
+    x: jax.Array
+    d: jax.Array
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    padding: Any
+    dilation: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.kernel
+
+    def _flat(self) -> tuple[jax.Array, jax.Array]:
+        nd = len(self.kernel) - 2
+        return (self.x.reshape(-1, *self.x.shape[self.x.ndim - nd - 1 :]),
+                self.d.reshape(-1, *self.d.shape[self.d.ndim - nd - 1 :]))  # fmt: skip
+
+    @property
+    def ghost(self) -> bool:
+        positions = math.prod(self.d.shape[1:]) // self.kernel[-1]
+        return positions * positions <= math.prod(self.kernel)
+
+    def rows(self) -> Rows:
+        nd = len(self.kernel) - 2
+        x, _ = self._flat()
+        p = patches(x, self.kernel[:-2], self.strides, self.padding, self.dilation)
+        a = p.reshape(self.x.shape[0], -1, p.shape[-1])
+        return Rows.dense(a, self.d, self.kernel, tuple(range(nd + 1)), (nd + 1,))
+
+    def _vjp(self, x: jax.Array, d: jax.Array) -> jax.Array:
+        nd = len(self.kernel) - 2
+
+        def conv(w):
+            return jax.lax.conv_general_dilated(
+                x, w, self.strides, self.padding, rhs_dilation=self.dilation, dimension_numbers=_DN[nd]
+            )
+
+        return jax.vjp(conv, jnp.zeros(self.kernel, x.dtype))[1](d.astype(x.dtype))[0]
+
+    def per_example(self) -> jax.Array:
+        nd = len(self.kernel) - 2
+
+        def one(xi, di):
+            return self._vjp(
+                xi.reshape(-1, *xi.shape[xi.ndim - nd - 1 :]), di.reshape(-1, *di.shape[di.ndim - nd - 1 :])
+            )
+
+        return jax.vmap(one)(self.x, self.d)
+
+    def total(self, c: jax.Array | None) -> jax.Array:
+        d = self.d if c is None else self.d * c.reshape(-1, *[1] * (self.d.ndim - 1)).astype(self.d.dtype)
+        x, d = Conv(self.x, d, *self[2:])._flat()
+        return self._vjp(x, d)
+
+
+def _expand(rows: Sequence[Any]) -> list[Rows]:
+    """Every use as ``Rows`` (a ``Conv`` by its patches)."""
+    return [r.rows() if isinstance(r, Conv) else r for r in rows]
 
 
 def _split(shape: tuple[int, ...], m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -166,6 +247,10 @@ def _ghost(rows: list[Rows]) -> bool:
 def sq_norms(rows: Sequence[Rows]) -> jax.Array:
     """``||g_i||^2`` of the leaf, ``(B,)`` (see the module contract)."""
     rows = list(rows)
+    if len(rows) == 1 and isinstance(rows[0], Conv) and not rows[0].ghost:
+        g = rows[0].per_example()
+        return jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
+    rows = _expand(rows)
     oriented = _oriented(rows)
     if oriented is not None and all(r.n_rows == 1 for r in oriented) and len(oriented) == 1:
         r = oriented[0]
@@ -212,6 +297,9 @@ def weighted_sum(rows: Sequence[Rows], c: jax.Array | None = None) -> jax.Array:
     """``sum_i c_i g_i`` in the leaf's layout (``c=None``: all ones, the batch gradient)."""
     total = 0.0
     for r in rows:
+        if isinstance(r, Conv):
+            total = total + r.total(c)
+            continue
         b = r.b if c is None else r.b * c[:, None, None].astype(r.b.dtype)
         total = total + _to_leaf(_product(r.a, b), r)
     return total
@@ -242,14 +330,22 @@ def _examples(rows: list[Rows], f) -> jax.Array:
 def materialize(rows: Sequence[Rows]) -> jax.Array:
     """``g_i`` stacked: ``(B, *leaf)``."""
     rows = list(rows)
+    convs = [r.per_example() for r in rows if isinstance(r, Conv)]
+    rows = [r for r in rows if not isinstance(r, Conv)]
+    if not rows:
+        return sum(convs)
     if all(not isinstance(r.a, OneHot) for r in rows):
-        return sum(_to_leaf(jnp.einsum("brm,brn->bmn", r.a, r.b), r, (int(r.b.shape[0]),)) for r in rows)
-    return _examples(rows, lambda g: g)
+        out = sum(_to_leaf(jnp.einsum("brm,brn->bmn", r.a, r.b), r, (int(r.b.shape[0]),)) for r in rows)
+    else:
+        out = _examples(rows, lambda g: g)
+    return out + sum(convs) if convs else out
 
 
 def sum_sq(rows: Sequence[Rows]) -> jax.Array:
     """``sum_i g_i**2`` elementwise, in the leaf's layout."""
     rows = list(rows)
+    if any(isinstance(r, Conv) for r in rows):
+        return jnp.sum(jnp.square(materialize(rows)), axis=0)
     if len(rows) == 1 and rows[0].n_rows == 1:
         r = rows[0]
         a = r.a
@@ -267,7 +363,7 @@ def check(rows: Sequence[Rows], batch_grad: jax.Array, tol: float) -> jax.Array:
     """``||weighted_sum(rows) - batch_grad|| <= tol * bound`` through a fixed random projection
     of the ``right`` axes (Freivalds: two matrix-vector products, no ``g_i``); ``bound`` bounds
     the rounding error, ``sum_{i, r} |a_ir| |b_ir| |v|``. A bool scalar."""
-    rows = list(rows)
+    rows = _expand(rows)
     oriented = _oriented(rows)
     if oriented is None:  # the uses split the leaf differently: compare the sum itself
         est = weighted_sum(rows)
