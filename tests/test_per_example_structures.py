@@ -244,8 +244,7 @@ def test_inspect_and_curvature_agree():
         for leaf in ("w", "b"):
             inspect_sq = np.square(norms.params[layer][leaf])
             np.testing.assert_allclose(cap[layer].batch_l2[leaf] * B**2, inspect_sq, rtol=2e-5, err_msg=layer)
-            role = {"w": "weight", "b": "bias"}[leaf] if "weight" in st[layer].variance else leaf
-            sgs = st[layer].variance[role] * B + B * np.square(st[layer].mean[role])
+            sgs = st[layer].variance[leaf] * B + B * np.square(st[layer].mean[leaf])  # keyed as records are
             np.testing.assert_allclose(cap[layer].sum_grad_squared[leaf] * B**2, sgs, rtol=2e-4, atol=1e-7)
             want = np.sum(np.square(np.asarray(per[layer][leaf], np.float64)), 0)
             np.testing.assert_allclose(sgs, want, rtol=2e-4, atol=1e-7)

@@ -172,6 +172,7 @@ class _Call:
     # under scans, each params leaf it uses: "stacked" (sliced by every enclosing scan, as xs) or
     # "const" (closed over by every one of them: the same array in every iteration)
     modes: dict = dataclasses.field(default_factory=dict)
+    local: dict = dataclasses.field(default_factory=dict)  # role -> the param's own name, when renamed
 
 
 def _per_example_loss(
@@ -266,6 +267,7 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
         call.batched = id(site.eqn) in batched or bool(site.scans) or site.in_cond
         call.scans, call.modes = tuple(site.scans), modes
         if call.foreign is not None and call.foreign.kind in ("dense", "conv", "lookup"):
+            call.local = {call.foreign.roles.get(k, k): k for k in call.params}
             call.params = {call.foreign.roles.get(k, k): v for k, v in call.params.items()}
         calls.append(call)
     return calls, outside

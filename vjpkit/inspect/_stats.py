@@ -135,7 +135,7 @@ def gradient_stats(
         for c in a.calls:
             for role, (ix, _) in c.params.items():
                 if ix is not None and ix not in local:
-                    local[ix] = role
+                    local[ix] = c.local.get(role, role)  # the name inside the layer, as records key it
         groups: dict[str, list[int]] = {}
         for i, owner in enumerate(a.owners):
             if owner in names and i in local and matches(owner):
