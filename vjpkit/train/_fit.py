@@ -164,7 +164,7 @@ def fit(
             takes ``batch_size // jax.process_count()`` of its rows per step, shuffled by the
             same ``(seed, epoch)`` permutation in every process) or an iterable of local batches
             (with ``steps=``). ``fit`` assembles step ``t``'s global batch from every process's
-            batch ``t``, in process order, with ``jax.make_array_from_process_local_data``.
+            batch ``t``, each on its own devices, with ``jax.make_array_from_process_local_data``.
             Needs ``mesh=``. A local batch whose size, leaves or batches per epoch differ from
             process 0's raises ``ConfigError`` naming the process.
 
