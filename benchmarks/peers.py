@@ -600,3 +600,23 @@ if __name__ == "__main__":
         torch_worker(int(sys.argv[3]) if len(sys.argv) >= 4 else os.cpu_count() or 1)
     else:
         sys.exit("peers.py is used by benchmarks/run.py; run that instead")
+
+
+def cpu_times():
+    """(all cores' time, their busy time, this process's and its waited children's CPU time), or None."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    hz, own = os.sysconf("SC_CLK_TCK"), os.times()
+    mine = own.user + own.system + own.children_user + own.children_system
+    return sum(ticks) / hz, (sum(ticks) - ticks[3] - ticks[4]) / hz, mine
+
+
+def other_cpu_share(before, after):
+    """The share of all cores' time that other processes used between two ``cpu_times()``."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    total, busy, mine = (a - b for a, b in zip(after, before))
+    return max(0.0, busy - mine) / total

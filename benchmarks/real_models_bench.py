@@ -66,6 +66,7 @@ sys.path.append(str(ROOT / "examples"))  # last: nothing there shadows benchmark
 
 import peers  # noqa: E402
 import plain_jax  # noqa: E402  (examples/plain_jax.py: params, layer norm, attention)
+from peers import cpu_times, other_cpu_share  # noqa: E402
 
 import vjpkit as vk  # noqa: E402
 
@@ -433,26 +434,6 @@ def git_commit():
     except (OSError, subprocess.CalledProcessError):
         return None, None, str(repo)
     return head, [line[3:] for line in dirty], str(repo)
-
-
-def cpu_times():
-    """(all cores' time, their busy time, this process's CPU time) in seconds, or None (as
-    ``run.py``'s, without the children)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    hz, own = os.sysconf("SC_CLK_TCK"), os.times()
-    return sum(ticks) / hz, (sum(ticks) - ticks[3] - ticks[4]) / hz, own.user + own.system
-
-
-def other_cpu_share(before, after):
-    """The share of all cores' time that other processes used between two ``cpu_times()``."""
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    total, busy, mine = (a - b for a, b in zip(after, before))
-    return max(0.0, busy - mine) / total
 
 
 def run(quick=False, models=MODELS, rounds=7) -> dict:

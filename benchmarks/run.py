@@ -57,6 +57,7 @@ import plain_bench
 import quickstart_bench
 import real_models_bench
 from models import EXTRA_RAW, MODELS, data, loss_of
+from peers import cpu_times, other_cpu_share
 
 import vjpkit as vk
 
@@ -494,26 +495,6 @@ def run_line(meta):
         f" | {rounds} | {meta['compile_repeats']} first call(s) per variant | {meta['wall_s']:.0f} s"
         + ("" if busy is None else f" | other processes used {100 * busy:.0f}% of the CPU meanwhile")
     )
-
-
-def cpu_times():
-    """(all cores' time, their busy time, this process's and its waited children's CPU time), or None."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    hz, own = os.sysconf("SC_CLK_TCK"), os.times()
-    mine = own.user + own.system + own.children_user + own.children_system
-    return sum(ticks) / hz, (sum(ticks) - ticks[3] - ticks[4]) / hz, mine
-
-
-def other_cpu_share(before, after):
-    """The share of all cores' time that other processes used between two ``cpu_times()``."""
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    total, busy, mine = (a - b for a, b in zip(after, before))
-    return max(0.0, busy - mine) / total
 
 
 def cpu_name():
