@@ -237,7 +237,7 @@ def test_dp_clip_and_gradient_stats_under_scan():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, _, stats = jax.jit(vk.inspect.gradient_stats(scan_mlp_loss, "w"))(params, x, y)
-    variance = stats["w"].variance  # the layer 'w' takes the leaves w and b, keyed by role
-    for role, leaf in (("weight", "w"), ("bias", "b")):
+    variance = stats["w"].variance  # the layer 'w' takes the leaves w and b, keyed as records key them
+    for leaf in ("w", "b"):
         expected = np.var(np.asarray(grads[leaf], np.float64), axis=0)
-        np.testing.assert_allclose(variance[role], expected, rtol=1e-4, atol=1e-6, err_msg=role)
+        np.testing.assert_allclose(variance[leaf], expected, rtol=1e-4, atol=1e-6, err_msg=leaf)

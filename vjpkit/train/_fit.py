@@ -450,7 +450,9 @@ def _loop(
     log_every: int,
 ) -> tuple[TrainState, dict]:
     single = jax.jit(step_fn, donate_argnums=0)
-    multi = jax.jit(lambda s, bs: jax.lax.scan(step_fn, s, bs), donate_argnums=0) if scan_steps > 1 else None
+    scanned = (
+        jax.jit(lambda s, bs: jax.lax.scan(step_fn, s, bs), donate_argnums=0) if scan_steps > 1 else None
+    )
     history: dict[str, list] = {"step": [], "loss": [], "eval": [], "nonfinite": []}
     # The batches of dispatched steps are kept only to name the layer of a non-finite step
     # ("stop" on an iterable: array batches are recomputed from the step). A step's batch is
@@ -603,7 +605,7 @@ def _loop(
 
     try:
         while steps is None or t < steps:
-            k = scan_steps if (multi is not None and (steps is None or steps - t >= scan_steps)) else 1
+            k = scan_steps if (scanned is not None and (steps is None or steps - t >= scan_steps)) else 1
             group = []
             for _ in range(k):
                 batch = next(it, None)
@@ -613,7 +615,7 @@ def _loop(
             if not group:
                 break
             if len(group) == k and k > 1:
-                dispatch(multi, put(_stack(group), 1), k, True, group if keep_batches else None)
+                dispatch(scanned, put(_stack(group), 1), k, True, group if keep_batches else None)
                 t += k
             else:
                 for batch in group:
