@@ -95,8 +95,15 @@ def tokens(seed=1, n=B):
     return jax.random.randint(jax.random.key(seed), (n, T + 1), 0, V)
 
 
-@pytest.mark.parametrize("head", list(HEADS))
-@pytest.mark.parametrize("lookup", list(LOOKUPS))
+SLOW = pytest.mark.slow  # the full tier (CI); the default tier keeps one form of each structure
+TIED = [
+    pytest.param(h, lk, marks=() if (h, lk) == ("matmul_T", "index") else SLOW, id=f"{h}-{lk}")
+    for h in HEADS
+    for lk in LOOKUPS
+]
+
+
+@pytest.mark.parametrize("head, lookup", TIED)
 def test_tied_embedding_and_head_under_scan(maybe_jit, head, lookup):
     """The table is one leaf used by the lookup and the head: its g_i is their sum (the cross
     term included), never formed (B x T^2 Gram matrices)."""
@@ -107,7 +114,7 @@ def test_tied_embedding_and_head_under_scan(maybe_jit, head, lookup):
     assert {"embed", "embed#1"} <= set(norms.layers) or "embed" in norms.layers
 
 
-@pytest.mark.parametrize("loop", ["unrolled", "scan_remat"])
+@pytest.mark.parametrize("loop", [pytest.param("unrolled", marks=SLOW), "scan_remat"])
 def test_loops_and_remat(maybe_jit, loop):
     remat = loop == "scan_remat"
     loss = make_lm(loop="scan" if remat else loop, remat=remat)
@@ -118,6 +125,7 @@ def test_loops_and_remat(maybe_jit, loop):
     assert_matches(norms, loss, params, tok)
 
 
+@SLOW
 def test_fori_loop_over_stacked_weights_is_exact_and_says_so():
     """``fori_loop`` indexing stacked weights by its counter: no fast path yet (the weight is a
     slice the loop computes, not a scan's xs); exact, with a warning naming the leaves."""
@@ -127,6 +135,7 @@ def test_fori_loop_over_stacked_weights_is_exact_and_says_so():
     assert_matches(norms, loss, params, tok)
 
 
+@SLOW
 def test_untied_head_and_nested_scan():
     params = lm_params(jax.random.key(4), tied=False)
     params["blocks"] = jax.tree.map(lambda a: a.reshape(1, L, *a.shape[1:]) * 1.0, params["blocks"])
