@@ -82,8 +82,9 @@ Each parameter leaf gets its per-example gradient one of these ways:
   local path, with a ``UserWarning`` naming the layer, its equation and its params.
 * a leaf used only by calls whose inputs are the same for every example (a positional
   embedding looked up with ``arange``; found by dataflow from the batch) is lifted over the
-  examples: broadcast and vmapped like the batch, so its calls become per-example calls and
-  their ``grad_params`` are the ``g_i``, in the same single pass (``B * (its size)`` floats).
+  examples: given to the loss broadcast and vmapped like the batch, so its calls become
+  per-example calls and its gradient is the ``g_i``, in the same single pass (``B * (its size)``
+  floats).
 * anything else (``nn.embedding``, ``nn.layer_norm``, custom layers, leaves used outside
   the layers' params, a leaf used both per example and by an example-independent call) falls
   back to ``jax.vmap(jax.grad)`` of ``l_i`` with respect to those leaves only, with a
@@ -180,18 +181,16 @@ def _per_example_loss(
     n_batch: int,
     reduction: str,
     who: str,
-    lifted: frozenset = frozenset(),
     with_losses: bool = False,
     given: frozenset = frozenset(),
 ) -> Callable:
     """``fun(params, *batch)``: ``mean_i l_i`` (or the sum), the ``l_i`` vmapped over the examples.
 
-    The params leaves ``given`` (indices) come broadcast over the examples already, and are
-    vmapped like the batch: the gradient with respect to them is ``grad l_i`` per example (times
-    the mean's ``1/B``). The params leaves ``lifted`` (indices) are broadcast over the examples
-    and vmapped like the batch: the layer calls that use them are then per-example calls whose
-    ``grad_params`` is ``grad l_i`` of those leaves, and their gradient sums back through the broadcast. With
-    ``with_losses``, ``fun`` returns ``(L, (l_0, ..., l_{B-1}))`` (for ``has_aux``).
+    The params leaves ``given`` (indices) come broadcast over the examples already
+    (``_broadcast``), and are vmapped like the batch: the gradient with respect to them is
+    ``grad l_i`` per example (times the mean's ``1/B``), and the layer calls that use them are
+    per-example calls. With ``with_losses``, ``fun`` returns ``(L, (l_0, ..., l_{B-1}))`` (for
+    ``has_aux``).
     """
 
     def single(params, *example):
@@ -206,19 +205,21 @@ def _per_example_loss(
 
     def fun(params, *batch):
         axes = None
-        if lifted or given:
-            size = int(np.shape(jax.tree.leaves(batch)[0])[0])
-            flat, treedef = jax.tree.flatten(params)
-            flat = [
-                jnp.broadcast_to(a, (size, *jnp.shape(a))) if i in lifted else a for i, a in enumerate(flat)
-            ]
-            params = jax.tree.unflatten(treedef, flat)
-            axes = jax.tree.unflatten(treedef, [0 if i in lifted | given else None for i in range(len(flat))])
+        if given:
+            treedef = jax.tree.structure(params)
+            axes = jax.tree.unflatten(treedef, [0 if i in given else None for i in range(treedef.num_leaves)])
         losses = jax.vmap(single, in_axes=(axes, *([0] * n_batch)))(params, *batch)
         total = jnp.mean(losses) if reduction == "mean" else jnp.sum(losses)
         return (total, losses) if with_losses else total
 
     return fun
+
+
+def _broadcast(params: Any, given: frozenset, size: int) -> Any:
+    """``params`` with the leaves ``given`` (indices) broadcast over ``size`` examples."""
+    flat, treedef = jax.tree.flatten(params)
+    flat = [jnp.broadcast_to(a, (size, *jnp.shape(a))) if i in given else a for i, a in enumerate(flat)]
+    return jax.tree.unflatten(treedef, flat)
 
 
 def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list[_Call], dict]:
@@ -712,17 +713,11 @@ def _rows(call: _Call, view: _View, use: _Use, param_leaves: list, shape: tuple,
     x, d = view.single()
     fk = call.foreign
     if use.kind == "conv":
-        strides, padding, dilation = use.conv
-        if x.size <= d.size:
-            x, d = scaled(x), d.astype(jnp.float32)
-        else:
-            x, d = x.astype(jnp.float32), scaled(d)
-        return stats.Rows.conv(x, d, shape, strides, padding, dilation)
-    mode = use.conv
+        return stats.Rows.conv(*_scale_smaller(x, d, scaled), shape, *use.conv)
     if fk is not None and fk.kind == "lookup":
         d = scaled(d)
         index = _lookup_index(call, param_leaves, x, view.x_axes[0])
-        if mode == "clip":
+        if use.conv == "clip":  # the lookup's out-of-range mode
             return stats.Rows.lookup(jnp.clip(index, 0, shape[0] - 1), d, shape)
         valid = (index >= 0) & (index < shape[0])
         return stats.Rows.lookup(index, d, shape, valid.astype(d.dtype))
@@ -730,12 +725,15 @@ def _rows(call: _Call, view: _View, use: _Use, param_leaves: list, shape: tuple,
     lead = x.ndim - n_in_axes
     left, right = _dense_axes(fk, shape, d.ndim - lead)
     x = x.reshape(x.shape[0], -1, int(np.prod(x.shape[lead:])))
-    # the mean's factor B on the smaller of the two (a tied head's cotangent is B x T x vocab)
+    return stats.Rows.dense(*_scale_smaller(x, d, scaled), shape, left, right)
+
+
+def _scale_smaller(x: jax.Array, d: jax.Array, scaled) -> tuple[jax.Array, jax.Array]:
+    """``(x, d)`` in float32 with the mean's factor ``B`` on the smaller of the two (``g_i`` is
+    their product; a tied head's cotangent is ``B x T x vocab``: never copied scaled)."""
     if x.size <= d.size:
-        x, d = scaled(x), d.astype(jnp.float32)
-    else:
-        x, d = x.astype(jnp.float32), scaled(d)
-    return stats.Rows.dense(x, d, shape, left, right)
+        return scaled(x), d.astype(jnp.float32)
+    return x.astype(jnp.float32), scaled(d)
 
 
 def _lookup_index(call: _Call, param_leaves: list, ids: jax.Array, axis: int) -> jax.Array:
@@ -813,14 +811,11 @@ def analyze(
     conv: dict | None = None,
     select: Callable[[str], bool] | None = None,
     capture_fields: Sequence[str] = ("input", "grad_output"),
-    norms: bool = True,
 ) -> Analysis:
     """Runs the loss once (forward, one backward) and sets up each leaf's per-example gradients.
 
     ``select(layer name)`` limits the per-example work to the leaves of some layers (the others,
     and leaves used by no layer, get ``None``); all leaves are analysed when it is ``None``.
-    ``norms=False`` says the caller reads no per-example norm (only ``sum_sq``); kept for the
-    callers, the statistics layer needs no such hint.
     """
     batch_size = _batch_size(batch, who)
     flat_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -860,7 +855,7 @@ def analyze(
         return Analysis(loss, grads, 1, paths, owners, leaves, treedef, {}, calls)
 
     # Leaves whose every use is a call with an input the same for all examples (positions from
-    # arange): lifted over the examples, their calls' grad_params are per example.
+    # arange): lifted over the examples, their calls become per-example calls.
     users: dict[int, list[_Call]] = {}
     for c in calls:
         for ix in {ix for ix, _ in c.params.values() if ix is not None}:
@@ -871,24 +866,18 @@ def analyze(
         if wanted[ix] and ix not in outside and all(not c.batched and None not in c.order for c in cs)
     }
     lifted_names = {c.name for ix in lifted for c in users[ix]}
-    for c in calls:  # one capture spec per name: a name with a batched call is not lifted
+    for c in calls:  # capture chooses by name: a name with a batched call is not lifted
         if c.name in lifted_names and c.batched:
             lifted -= {ix for ix, _ in c.params.values()}
     lifted_names = {c.name for ix in lifted for c in users[ix]}
-    # Leaves used only outside every layer, not in a loop or branch (a class token broadcast and
-    # concatenated, a bare scale): given to the loss broadcast over the examples, so that their
-    # gradient in the one backward pass is per example (B x their size floats).
-    given = frozenset(
+    # Those, and leaves used only outside every layer, not in a loop or branch (a class token
+    # broadcast and concatenated, a bare scale): given to the loss broadcast over the examples,
+    # so that their gradient in the one backward pass is per example (B x their size floats).
+    given = frozenset(lifted) | frozenset(
         i for i in range(len(paths)) if wanted[i] and i in outside and not outside[i][0] and i not in users
     )
-    run = _per_example_loss(loss_fn, len(batch), reduction, who, frozenset(lifted), True, given)
-    run_params = params
-    if given:
-        flat = jax.tree.leaves(params)
-        flat = [
-            jnp.broadcast_to(a, (batch_size, *jnp.shape(a))) if i in given else a for i, a in enumerate(flat)
-        ]
-        run_params = jax.tree.unflatten(treedef, flat)
+    run = _per_example_loss(loss_fn, len(batch), reduction, who, True, given)
+    run_params = _broadcast(params, given, batch_size) if given else params
 
     def _could_be_fast(c: _Call) -> bool:
         if c.name in lifted_names or not any(
@@ -904,8 +893,6 @@ def analyze(
 
     names = sorted({c.name for c in calls if _could_be_fast(c)})
     specs = [_capture([_escape(n) for n in names], fields=list(capture_fields))] if names else []
-    if lifted_names:
-        specs.append(_capture([_escape(n) for n in sorted(lifted_names)], fields=["grad_params"]))
     if specs:
         ((loss, losses), grads), captured = _vk_value_and_grad(run, has_aux=True, capture=specs)(
             run_params, *batch
@@ -946,7 +933,7 @@ def analyze(
                 uses[ix].append(_Use(c.key, role, kind, cfg) if kind else None)
 
     def build(kind, role, vs, u, param_leaves, shape, agg) -> _Leaf:
-        return _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scaled, check, norms)
+        return _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scaled)
 
     leaves: list[_Leaf | None] = []
     fallback: dict[int, str] = {}
@@ -957,14 +944,6 @@ def analyze(
             continue
         if i in given:
             leaves.append(_Materialized(scaled(per_given[i])))
-            continue
-        if i in lifted:
-            g = _lifted_per_example(i, users[i], captured, tuple(grad_leaves[i].shape), batch_size)
-            if g is None:
-                leaves.append(None)
-                fallback[i] = _NOT_PER_EXAMPLE
-            else:
-                leaves.append(_Materialized(scaled(g)))
             continue
         u = uses[i]
         kinds = {(x.kind, x.role) for x in u if x is not None}
@@ -1017,7 +996,7 @@ def analyze(
     return Analysis(loss, grads, batch_size, paths, owners, leaves, treedef, captured, calls)
 
 
-def _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scaled, check, norms) -> _Leaf:
+def _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scaled) -> _Leaf:
     """One leaf's per-example gradients from the views ``vs`` of its uses ``u`` (one call each,
     not stacked), ``shape`` the leaf's, ``agg`` its batch gradient (None: no check)."""
     if kind == "local":
@@ -1088,22 +1067,6 @@ class _Stacked(_Leaf):
 
     def sum_sq(self):
         return self.guard(self._map(lambda leaf: leaf.sum_sq()).reshape(self.shape))
-
-
-def _lifted_per_example(i: int, users: list[_Call], captured: dict, shape: tuple, batch_size: int):
-    """``g_i`` of leaf ``i`` lifted over the examples: its calls' ``grad_params``, summed, or None."""
-    g = 0.0
-    for c in users:
-        rec = captured.get(c.key)
-        if rec is None or rec.grad_params is None:
-            continue
-        for ix, leaf in zip(c.order, _none_leaves(rec.grad_params)):
-            if ix != i or leaf is None:
-                continue
-            if tuple(leaf.shape) != (batch_size, *shape):
-                return None
-            g = g + leaf
-    return jnp.zeros((batch_size, *shape), jnp.float32) if isinstance(g, float) else g
 
 
 def _fallback_reason(i: int, uses: list, outside: dict, calls: list[_Call], why: dict) -> str:

@@ -128,7 +128,6 @@ def gradient_stats(
             check=check,
             conv=conv,
             select=(lambda owner: matches(owner)) if variance else (lambda owner: False),
-            norms=False,
         )
         names = [c.name for c in a.calls]
         local: dict[int, str] = {}
