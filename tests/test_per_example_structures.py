@@ -279,3 +279,32 @@ def test_curvature_of_a_transposed_weight_is_its_layout():
     tree_allclose(got["fc"].kflr, want["fc"].kflr, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(got["fc"].diag_ggn["fc"], want["fc"].diag_ggn["fc"].T, rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(got["fc"].batch_l2["fc"], want["fc"].batch_l2["fc"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("stride, padding, size", [(2, "SAME", 6), (1, "VALID", 3)])  # formed / ghost
+def test_conv_rows_against_the_convs_own_vjp(stride, padding, size):
+    """``stats.Rows.conv``: both of its ways (the conv's own per-example vjp, and the ghost norm
+    over patches) against ``jax.vjp`` of ``lax.conv_general_dilated`` per example, float64."""
+    rng = np.random.default_rng(1)
+    dn = ("NHWC", "HWIO", "NHWC")
+    with jax.enable_x64(True):
+        x = jnp.asarray(rng.standard_normal((3, 1, size, size, 2)))
+        w = jnp.zeros((3, 3, 2, 4) if padding == "SAME" else (2, 2, 2, 6))
+
+        def conv(w, xi):
+            return jax.lax.conv_general_dilated(xi, w, (stride, stride), padding, dimension_numbers=dn)
+
+        d = jnp.asarray(rng.standard_normal(jax.vmap(lambda xi: conv(w, xi))(x).shape))
+        want = jax.vmap(lambda xi, di: jax.vjp(lambda v: conv(v, xi), w)[1](di)[0])(x, d)
+        r = stats.Rows.conv(x, d, w.shape, (stride, stride), padding)
+        assert r.ghost == (padding == "VALID")
+        sq = np.sum(np.square(want), axis=(1, 2, 3, 4))
+        np.testing.assert_allclose(stats.sq_norms([r]), sq, rtol=1e-12)
+        np.testing.assert_allclose(stats.sq_norms([r.rows()]), sq, rtol=1e-12)
+        np.testing.assert_allclose(stats.materialize([r]), want, rtol=1e-12, atol=1e-12)
+        c = jnp.asarray(rng.standard_normal(3))
+        np.testing.assert_allclose(
+            stats.weighted_sum([r], c), jnp.tensordot(c, want, 1), rtol=1e-12, atol=1e-12
+        )
+        np.testing.assert_allclose(stats.sum_sq([r]), np.sum(np.square(want), 0), rtol=1e-12, atol=1e-12)
+        assert bool(stats.check([r], want.sum(0), 1e-9))

@@ -149,10 +149,10 @@ class Conv(NamedTuple):
     def shape(self) -> tuple[int, ...]:
         return self.kernel
 
-    def _flat(self) -> tuple[jax.Array, jax.Array]:
+    def _images(self, a: jax.Array) -> jax.Array:
+        """``a``'s leading axes (examples, their own batch of one) flattened into one batch axis."""
         nd = len(self.kernel) - 2
-        return (self.x.reshape(-1, *self.x.shape[self.x.ndim - nd - 1 :]),
-                self.d.reshape(-1, *self.d.shape[self.d.ndim - nd - 1 :]))  # fmt: skip
+        return a.reshape(-1, *a.shape[a.ndim - nd - 1 :])
 
     @property
     def ghost(self) -> bool:
@@ -161,8 +161,7 @@ class Conv(NamedTuple):
 
     def rows(self) -> Rows:
         nd = len(self.kernel) - 2
-        x, _ = self._flat()
-        p = patches(x, self.kernel[:-2], self.strides, self.padding, self.dilation)
+        p = patches(self._images(self.x), self.kernel[:-2], self.strides, self.padding, self.dilation)
         a = p.reshape(self.x.shape[0], -1, p.shape[-1])
         return Rows.dense(a, self.d, self.kernel, tuple(range(nd + 1)), (nd + 1,))
 
@@ -177,19 +176,11 @@ class Conv(NamedTuple):
         return jax.vjp(conv, jnp.zeros(self.kernel, x.dtype))[1](d.astype(x.dtype))[0]
 
     def per_example(self) -> jax.Array:
-        nd = len(self.kernel) - 2
-
-        def one(xi, di):
-            return self._vjp(
-                xi.reshape(-1, *xi.shape[xi.ndim - nd - 1 :]), di.reshape(-1, *di.shape[di.ndim - nd - 1 :])
-            )
-
-        return jax.vmap(one)(self.x, self.d)
+        return jax.vmap(lambda xi, di: self._vjp(self._images(xi), self._images(di)))(self.x, self.d)
 
     def total(self, c: jax.Array | None) -> jax.Array:
         d = self.d if c is None else self.d * c.reshape(-1, *[1] * (self.d.ndim - 1)).astype(self.d.dtype)
-        x, d = Conv(self.x, d, *self[2:])._flat()
-        return self._vjp(x, d)
+        return self._vjp(self._images(self.x), self._images(d))
 
 
 def _expand(rows: Sequence[Any]) -> list[Rows]:
