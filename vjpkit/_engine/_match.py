@@ -569,19 +569,7 @@ _CASTS = ("convert_element_type", "pvary")
 def _weight_source(v, eqns, extra: set) -> tuple[Any, set, tuple[int, ...]] | None:
     """``(leaf var, the equations between, perm)`` when ``v`` is a leaf through casts and
     transposes: axis ``k`` of ``v`` is axis ``perm[k]`` of the leaf."""
-    between, perm = set(), tuple(range(len(v.aval.shape)))
-    index = {o: k for k in extra for o in eqns[k].outvars}
-    while v in index:
-        k = index[v]
-        name = eqns[k].primitive.name
-        if name == "transpose":
-            p = eqns[k].params["permutation"]
-            perm = tuple(p[a] for a in perm)
-        elif name not in _CASTS:
-            return None
-        between.add(k)
-        v = eqns[k].invars[0]
-    return v, between, perm
+    return _source(v, eqns, extra, ("transpose", *_CASTS))
 
 
 def _lookup_kind(eqn, extra: set, eqns, roles_of) -> LayerKind:
@@ -620,15 +608,27 @@ def _broadcast_source(
 ) -> tuple[Any, set] | None:
     """``(leaf var, the equations between)`` when ``v`` is a leaf through ``prims`` (broadcasts,
     reshapes and casts by default)."""
-    between = set()
+    src = _source(v, eqns, extra, prims)
+    return None if src is None else src[:2]
+
+
+def _source(v, eqns, extra: set, prims: Sequence[str]) -> tuple[Any, set, tuple[int, ...]] | None:
+    """``(var, the equations of ``extra`` between, perm)``: ``v`` walked back through the
+    equations of ``prims`` (first operand) to the first value no equation of ``extra`` makes;
+    ``perm`` composes the transposes on the way (axis ``k`` of ``v`` is axis ``perm[k]`` there)."""
+    between, perm = set(), tuple(range(len(v.aval.shape)))
     index = {o: k for k in extra for o in eqns[k].outvars}
     while v in index:
         k = index[v]
-        if eqns[k].primitive.name not in prims:
+        name = eqns[k].primitive.name
+        if name not in prims:
             return None
+        if name == "transpose":
+            p = eqns[k].params["permutation"]
+            perm = tuple(p[a] for a in perm)
         between.add(k)
         v = eqns[k].invars[0]
-    return v, between
+    return v, between, perm
 
 
 def _collisions(named: Sequence[tuple[str, frozenset, bool]]) -> frozenset:
