@@ -2,9 +2,9 @@
 path (any fallback warning is an error) and equal to ``jax.vmap(jax.grad)`` of the per-example
 loss: a tied embedding and head (``h @ embed.T``, ``einsum("btd,vd->btv")``, ``jnp.take``),
 transposed weights, residual biases written ``x + h @ W + b``, blocks under ``lax.scan``, nested
-scans, ``fori_loop``, ``jax.checkpoint``, per-sequence losses and a time-major layer with
-``T == B``; jitted and eagerly. DP clipping and ``gradient_stats`` on the tied table are checked
-against the same reference, and the statistics layer's ``Rows`` against numpy.
+scans, ``jax.checkpoint``, per-sequence losses and a time-major layer with ``T == B`` (``fori_loop``:
+``tests/test_fori_loop.py``); jitted and eagerly. DP clipping and ``gradient_stats`` on the tied
+table are checked against the same reference, and the statistics layer's ``Rows`` against numpy.
 """
 
 from __future__ import annotations
@@ -122,16 +122,6 @@ def test_loops_and_remat(maybe_jit, loop):
     if loop == "unrolled":
         params["blocks"] = [jax.tree.map(lambda a, i=i: a[i], params["blocks"]) for i in range(L)]
     _, _, norms = fast(maybe_jit(vk.inspect.per_example_grad_norms(loss)), params, tok)
-    assert_matches(norms, loss, params, tok)
-
-
-@SLOW
-def test_fori_loop_over_stacked_weights_is_exact_and_says_so():
-    """``fori_loop`` indexing stacked weights by its counter: no fast path yet (the weight is a
-    slice the loop computes, not a scan's xs); exact, with a warning naming the leaves."""
-    loss, params, tok = make_lm(loop="fori"), lm_params(jax.random.key(2)), tokens(3)
-    with pytest.warns(UserWarning, match="blocks/q"):
-        _, _, norms = jax.jit(vk.inspect.per_example_grad_norms(loss))(params, tok)
     assert_matches(norms, loss, params, tok)
 
 

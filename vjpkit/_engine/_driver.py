@@ -33,7 +33,7 @@ from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._hook_base import HookState
 from .._trees import is_traced, vary, varying_axes
-from . import _handlers, _match, _slots
+from . import _fori, _handlers, _match, _slots
 from ._plan import Plan, Site
 from ._run import Runner
 
@@ -125,6 +125,7 @@ def trace(
             return flat(*leaves)
 
     closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
+    closed = _fori.hoist(closed)  # fori_loop's W[i] as the scan's xs, as lax.scan(body, x, W)
     other: list = []
     if config.match:
         kept = nums if params is None else tuple(params)
