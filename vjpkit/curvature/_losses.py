@@ -2,16 +2,20 @@
 
 Contract. ``softmax_cross_entropy(logits, labels)``, ``mse(pred, target)`` and
 ``sigmoid_binary_cross_entropy(logits, labels)`` return the loss value, a mean over the batch
-(axis 0 of the output, ``N`` examples): cross-entropy over ``logits (N, C)`` with integer labels
-``(N,)`` or label distributions ``(N, C)``; the squared error and the binary cross-entropy
-averaged over every element, as ``torch.nn.MSELoss`` / ``BCEWithLogitsLoss`` do. Outside a
+(axis 0 of the output, ``N`` examples): cross-entropy over ``logits (N, ..., C)`` with integer
+labels ``(N, ...)`` or label distributions ``(N, ..., C)``, averaged over the ``N * P``
+positions (``P`` = the product of the middle axes: a sequence model's ``(B, T, C)`` logits are
+``B`` examples of ``T`` positions each, so its per-example statistics are per sequence); the
+squared error and the binary cross-entropy averaged over every element, as
+``torch.nn.MSELoss`` / ``BCEWithLogitsLoss`` do. Outside a
 curvature transform they are nothing more. Inside one (``collecting``) each call also appends a
 ``Mark`` (kind, output, target), and the transform makes the output an extra output of the
 traced program, so that backward passes can be seeded there.
 
 For a mark, ``sqrt_hessian`` gives the seeds ``S`` (one per column, stacked on axis 0) with
 ``sum_k S_k S_k^T`` = the Hessian of the loss with respect to the output (block-diagonal over
-the examples: each example's block is its ``l_n``'s Hessian over ``N``), and ``sampled`` gives
+the examples, and over the positions of a cross-entropy: each position's block is its term's
+Hessian over ``N * P``, so the exact seeds are ``P * C``), and ``sampled`` gives
 ``M`` Monte-Carlo seeds whose outer products equal it in expectation, from targets sampled from
 the model's predictive distribution with ``jax.random.split(key, M)[m]`` (the key itself when
 ``M = 1``, as kfac-jax does) (``jax.random.categorical`` of the logits, a Bernoulli, a
@@ -72,15 +76,18 @@ def _integer_target(labels: jax.Array, c: int, dtype: Any) -> jax.Array:
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         concrete = None
     if concrete is not None and concrete.size and (concrete.min() < 0 or concrete.max() >= c):
-        bad = np.flatnonzero((concrete < 0) | (concrete >= c))
+        flat = concrete.reshape(-1)
+        bad = np.flatnonzero((flat < 0) | (flat >= c))
+        at = [tuple(int(i) for i in np.unravel_index(b, concrete.shape)) for b in bad[:5]]
+        at = [a[0] if len(a) == 1 else a for a in at]
         raise ConfigError(
             f"vk.curvature.softmax_cross_entropy: integer labels must be classes in [0, {c}) for "
-            f"logits with {c} columns, got {concrete[bad[:5]].tolist()} at rows {bad[:5].tolist()}"
+            f"logits with {c} columns, got {flat[bad[:5]].tolist()} at rows {at}"
             f"{' ...' if bad.size > 5 else ''}. Fix the labels or the number of classes (under "
             "jax.jit such a label makes the loss, the gradient and the statistics NaN)."
         )
     valid = (labels >= 0) & (labels < c)
-    return jnp.where(valid[:, None], jax.nn.one_hot(labels, c, dtype=dtype), jnp.asarray(jnp.nan, dtype))
+    return jnp.where(valid[..., None], jax.nn.one_hot(labels, c, dtype=dtype), jnp.asarray(jnp.nan, dtype))
 
 
 def _float_output(x: Any, who: str) -> jax.Array:
@@ -94,14 +101,15 @@ def _float_output(x: Any, who: str) -> jax.Array:
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean softmax cross-entropy over the batch, registered for curvature.
+    """Mean softmax cross-entropy over the batch (and positions), registered for curvature.
 
     Args:
-        logits: ``(N, C)`` float logits.
-        labels: ``(N,)`` integer classes, or ``(N, C)`` label distributions (one-hot).
+        logits: ``(N, C)`` float logits, or ``(N, ..., C)`` (a sequence model's ``(B, T, C)``:
+            the examples are the ``B`` sequences, the loss a mean over every position).
+        labels: ``(N, ...)`` integer classes, or ``(N, ..., C)`` label distributions (one-hot).
 
     Returns:
-        ``mean_n -log softmax(logits_n)[labels_n]`` (a float scalar).
+        ``mean_{n,t} -log softmax(logits_nt)[labels_nt]`` (a float scalar).
 
     Examples:
         >>> def loss_fn(params, x, y):
@@ -109,20 +117,20 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """
     logits = _float_output(logits, "softmax_cross_entropy")
     labels = jnp.asarray(labels)
-    if logits.ndim != 2:
+    if logits.ndim < 2:
         raise ConfigError(
-            f"vk.curvature.softmax_cross_entropy: logits must be (N, C), got {_spec(logits)}. "
-            "Reshape the sequence axes into the batch first (logits.reshape(-1, C))."
+            f"vk.curvature.softmax_cross_entropy: logits must be (N, C) or (N, ..., C) (the "
+            f"examples on axis 0, the classes last), got {_spec(logits)}."
         )
-    n, c = logits.shape
-    if jnp.issubdtype(labels.dtype, jnp.integer) and labels.shape == (n,):
+    lead, c = tuple(logits.shape[:-1]), logits.shape[-1]
+    if jnp.issubdtype(labels.dtype, jnp.integer) and labels.shape == lead:
         target = _integer_target(labels, c, logits.dtype)
-    elif labels.shape == (n, c) and jnp.issubdtype(labels.dtype, jnp.floating):
+    elif labels.shape == logits.shape and jnp.issubdtype(labels.dtype, jnp.floating):
         target = labels.astype(logits.dtype)
     else:
         raise ConfigError(
-            f"vk.curvature.softmax_cross_entropy: labels must be integer classes ({n},) or a "
-            f"float distribution ({n}, {c}) for logits {_spec(logits)}, got {_spec(labels)}."
+            f"vk.curvature.softmax_cross_entropy: labels must be integer classes {lead} or a "
+            f"float distribution {tuple(logits.shape)} for logits {_spec(logits)}, got {_spec(labels)}."
         )
     logp = jax.nn.log_softmax(logits, axis=-1)
     return _mark("softmax_cross_entropy", logits, target, -jnp.mean(jnp.sum(target * logp, axis=-1)))
@@ -168,7 +176,7 @@ def sigmoid_binary_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Ar
 
 
 def _label_mass(mark: Mark) -> jax.Array:
-    """``sqrt(s_n)``, ``s_n`` the sum of example ``n``'s label row: the Hessian of
+    """``sqrt(s_n)`` per position, ``s_n`` the sum of its label row: the Hessian of
     ``-sum_c t_c log softmax(z)_c`` over ``z`` is ``s_n (diag p - p p^T)``, so the seeds of a
     label distribution that does not sum to 1 carry ``sqrt(s_n)`` (1 for one-hot rows; NaN for
     a negative sum, whose Hessian has no real square root, and for an out-of-range label)."""
@@ -185,13 +193,22 @@ def sqrt_hessian(mark: Mark) -> jax.Array:
     out = mark.output
     n, d = _per_element(out)
     if mark.kind == "softmax_cross_entropy":
-        p = jax.nn.softmax(out, axis=-1)
-        sp = jnp.sqrt(p)
         c = out.shape[-1]
+        p = jax.nn.softmax(out, axis=-1).reshape(n, -1, c)  # (N, P, C): P positions per example
+        positions = p.shape[1]
         eye = jnp.eye(c, dtype=out.dtype)
-        # column k of diag(sqrt p) - p sqrt(p)^T, for every example at once: (C, N, C)
-        cols = sp.T[:, :, None] * (eye[:, None, :] - p[None, :, :])
-        return cols * _label_mass(mark)[None, :, None] / jnp.sqrt(jnp.asarray(n, out.dtype))
+        # column k of each position's diag(sqrt p) - p sqrt(p)^T, every example at once: (C, N, P, C)
+        cols = jnp.moveaxis(jnp.sqrt(p), -1, 0)[..., None] * (eye[:, None, None, :] - p[None])
+        mass = _label_mass(mark).reshape(1, n, positions, 1)
+        scale = mass / jnp.sqrt(jnp.asarray(n * positions, out.dtype))
+        cols = cols * scale
+        if positions == 1:
+            return cols.reshape(c, *out.shape)
+        # one seed per (position, class): position t's columns, zero at the other positions
+        # (the Hessian is block-diagonal over the positions; a seed spanning them would add
+        # cross terms between positions that share parameters)
+        at = jnp.eye(positions, dtype=out.dtype)[:, None, None, :, None]  # (P, 1, 1, P, 1)
+        return (at * cols[None]).reshape(positions * c, *out.shape)
     if mark.kind == "mse":
         scale = jnp.sqrt(jnp.asarray(2.0 / (n * d), out.dtype))
         eye = jnp.eye(d, dtype=out.dtype).reshape(d, 1, *out.shape[1:])
@@ -211,12 +228,13 @@ def sampled(mark: Mark, key: jax.Array, samples: int) -> jax.Array:
     m = jnp.asarray(samples, out.dtype)
     if mark.kind == "softmax_cross_entropy":
         p = jax.nn.softmax(out, axis=-1)
+        positions = n * (out.size // (n * out.shape[-1]))  # the loss averages over them
 
-        def one(k):
+        def one(k):  # a label per position, drawn independently: E[s s^T] is block-diagonal
             y = jax.random.categorical(k, out, axis=-1)
-            return (p - jax.nn.one_hot(y, out.shape[-1], dtype=out.dtype)) / jnp.sqrt(n * m)
+            return (p - jax.nn.one_hot(y, out.shape[-1], dtype=out.dtype)) / jnp.sqrt(positions * m)
 
-        return jax.vmap(one)(keys) * _label_mass(mark)[None, :, None]
+        return jax.vmap(one)(keys) * _label_mass(mark)[None, ..., None]
     if mark.kind == "mse":
         z = jax.vmap(lambda k: jax.random.normal(k, out.shape, out.dtype))(keys)
         return z * jnp.sqrt(2.0 / (n * d * m))
