@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
@@ -52,7 +53,10 @@ def _scalar(c: Any) -> Any:
         c = c.val
     if isinstance(c, jax.core.Tracer) or np.ndim(c) != 0:
         return None
-    dtype = np.dtype(getattr(c, "dtype", type(c)))
+    try:
+        dtype = np.dtype(getattr(c, "dtype", type(c)))
+    except TypeError:  # a PRNG key, an opaque dtype
+        return None
     return np.asarray(c).item() if np.issubdtype(dtype, np.integer) or dtype == np.bool_ else None
 
 
@@ -108,7 +112,7 @@ def _counters(eqn: Any, nc: int, ncar: int, ins: list) -> dict:
         step = made.get(out)
         if init is None or isinstance(init, bool) or step is None or step.primitive.name != "add":
             continue
-        if not np.issubdtype(np.dtype(var.aval.dtype), np.integer):
+        if not jnp.issubdtype(var.aval.dtype, jnp.integer):
             continue
         a, b = step.invars
         one = b if a is var else a if b is var else None
@@ -137,7 +141,7 @@ def _values(body: Any, counters: dict, length: int, known: dict) -> dict:
         ctr = [isinstance(x, tuple) for x in ins]
         out: Any = None
         if name == "convert_element_type":
-            out = ins[0] if ctr[0] or not np.issubdtype(e.params["new_dtype"], np.floating) else None
+            out = ins[0] if ctr[0] or not jnp.issubdtype(e.params["new_dtype"], jnp.floating) else None
         elif name in ("add", "sub") and not all(ctr):
             a, b = ins
             sign = 1 if name == "add" else -1
