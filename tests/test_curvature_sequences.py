@@ -81,10 +81,17 @@ def brute(p, x, y, mix):
 STATS = ["diag_ggn", "batch_l2", "sum_grad_squared", "backpack_variance"]
 
 
-@pytest.mark.parametrize("kind", ["int", "onehot", "soft"])
-@pytest.mark.parametrize("mix", [False, True], ids=["positionwise", "causal-mix"])
-@pytest.mark.parametrize("mode", ["jit", "eager"])
-def test_sequence_statistics_equal_brute_force(kind, mix, mode, f64):
+CASES = [
+    pytest.param(mode, kind, mix, id=f"{mode}-{kind}-{'mix' if mix else 'positionwise'}",
+                 marks=pytest.mark.slow if mode == "eager" and (kind, mix) != ("int", False) else ())
+    for mode in ("jit", "eager")
+    for kind in ("int", "onehot", "soft")
+    for mix in (False, True)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode, kind, mix", CASES)
+def test_sequence_statistics_equal_brute_force(mode, kind, mix, f64):
     p, (x, y) = params(), data(kind)
 
     def loss(q, x, y):
