@@ -57,3 +57,33 @@ def test_an_iteration_is_addressable_in_the_plots_layers(recorded):
     fig = vk.inspect.plot_gradient_flow(recorder, layers=["blocks/fc[1]", "blocks/q[*]"])
     labels = sorted(line.get_label() for line in fig.axes[0].get_lines())
     assert labels == ["blocks/fc[1]", *(f"blocks/q[{i}]" for i in range(L))], labels
+
+
+def test_explain_shows_each_scanned_layer_and_its_iterations():
+    loss, params, tok = make_lm(), lm_params(jax.random.key(0)), tokens()
+    out = io.StringIO()
+    rows = vk.explain(loss, params, tok, file=out)
+    by_key = {r["key"]: r for r in rows}
+    assert by_key["blocks/fc"]["iterations"] == (L,) and by_key["embed"]["iterations"] == ()
+    assert f"blocks/fc[:{L}] (call 0)" in out.getvalue() and f"blocks/fc x{L}" in out.getvalue()
+    assert "blocks/fc[i]" in by_key["blocks/fc"]["meaning"]["iterations"]
+    assert "iterations" not in by_key["embed"]["meaning"]
+    # the shapes are one iteration's: those of the block's own weight slice
+    assert by_key["blocks/fc"]["grad_params"]["w"].shape == params["blocks"]["fc"]["w"].shape[1:]
+
+    def nested(p, x):
+        inner = lambda h, w: (jax.numpy.tanh(h @ w), None)
+        h, _ = jax.lax.scan(lambda h, ws: (jax.lax.scan(inner, h, ws)[0], None), x, p["w"])
+        return jax.numpy.sum(h)
+
+    w = jax.numpy.ones((2, 3, 4, 4)) * 0.1
+    (row,) = vk.explain(nested, {"w": w}, jax.numpy.ones((5, 4)), file=io.StringIO())
+    assert row["iterations"] == (2, 3) and "[i][j]" in row["meaning"]["iterations"]
+
+
+@pytest.mark.parametrize("glob", ["blocks/fc[2]", "blocks/fc[*]", "blocks/*[0][1]"])
+def test_iteration_globs_in_hooks_and_capture_say_where_they_apply(glob):
+    with pytest.raises(vk.ConfigError, match=r"every iteration.*Recorder"):
+        vk.grad(lambda p: p, hooks={glob: lambda rec: None})
+    with pytest.raises(vk.ConfigError, match=r"capture 'blocks/"):
+        vk.capture(glob)

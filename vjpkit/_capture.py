@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._errors import ConfigError
-from ._names import matches_any
+from ._names import check_glob, matches_any
 from ._records import Cotangents
 
 FIELDS = ("params", "input", "output", "grad_output", "grad_input", "grad_params")
@@ -142,6 +142,8 @@ def capture(
     globs = (layers,) if isinstance(layers, str) else tuple(layers)
     if not globs or not all(isinstance(g, str) and g for g in globs):
         raise ConfigError(f"vk.capture: layers must be a glob or a list of globs, got {layers!r}.")
+    for g in globs:
+        check_glob(g, "vk.capture")
     fields = (fields,) if isinstance(fields, str) else tuple(fields)
     unknown = [f for f in fields if f not in FIELDS]
     if unknown or not fields:

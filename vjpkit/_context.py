@@ -38,7 +38,7 @@ import jax
 
 from ._errors import ConfigError
 from ._hook_base import before, inner, is_deferred, is_factory
-from ._names import call_keys, matches, split_key
+from ._names import call_keys, check_glob, matches, split_key
 
 _local = threading.local()
 _tokens = itertools.count(1)
@@ -316,6 +316,7 @@ def normalize_hooks(hooks: Any, transform: str) -> tuple[tuple[str, tuple[Callab
     for glob, value in hooks.items():
         if not isinstance(glob, str) or not glob:
             raise ConfigError(f"{transform}: hook keys must be non-empty glob strings, got {glob!r}.")
+        check_glob(glob, transform)
         many = isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields"))
         fns = tuple(value) if many else (value,)
         for fn in fns:

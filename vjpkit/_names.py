@@ -26,6 +26,7 @@ import fnmatch
 import re
 from collections.abc import Iterable
 
+from ._errors import ConfigError
 from ._records import call_key
 
 
@@ -68,6 +69,22 @@ def _split_iterations(s: str) -> tuple[str, tuple[str, ...]]:
     if m is None:
         return s, ()
     return s[: m.start()], tuple(m.group(1)[1:-1].split("]["))
+
+
+def check_glob(glob: str, who: str) -> None:
+    """Raises when ``glob`` of a hook or capture names scan iterations (a trailing ``[i]``):
+    those run on, and stack, every iteration of a layer called inside ``lax.scan``."""
+    base, wanted = _split_iterations(glob)
+    if wanted:
+        i = wanted[0] if wanted[0].isdigit() else "i"
+        raise ConfigError(
+            f"{who}: the glob {glob!r} chooses scan iteration(s) {'/'.join(wanted)} of {base!r}, but "
+            "hooks and capture see every iteration of a layer called inside lax.scan (one trace of the "
+            f"body): capture {base!r} and index its record, stacked on the iterations "
+            f"(captured[{base!r}].grad_output[{i}]), or use {glob!r} where results are keyed per "
+            "iteration: vk.inspect.Recorder's series, summary() and the plots. "
+            "vk.explain lists which layers run inside a scan."
+        )
 
 
 def matches_key(key: str, glob: str) -> bool:

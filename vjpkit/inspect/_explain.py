@@ -210,13 +210,27 @@ def _rows(traced: _Trace, nums: tuple[int, ...]) -> list[dict]:
             "call": site.call,
             "forward": position,
             "backward": backward.index(key) if reached else None,
+            "iterations": tuple(site.scans),  # the enclosing lax.scan s' lengths, outermost first
         }
         for field in FIELDS:
             row[field] = getattr(site.record, field) if reached else None
         shared = counts[site.name] > 1
         row["meaning"] = _meanings(row, nums, reached and backward.index(key) == 0, shared)
+        if row["iterations"]:
+            row["meaning"]["iterations"] = _iterations_meaning(key, row["iterations"])
         rows.append(row)
     return rows
+
+
+def _iterations_meaning(key: str, lengths: tuple[int, ...]) -> str:
+    index = "".join(f"[{c}]" for c in "ijk"[: len(lengths)]) if len(lengths) <= 3 else "[i]..."
+    runs = " x ".join(map(str, lengths))
+    return (
+        f"{key} is called inside lax.scan ({runs} iterations); the shapes shown are one "
+        f"iteration's. Hooks run once per iteration (the last first); captured records are "
+        f"stacked on leading axes ({', '.join(map(str, lengths))}, ...); Recorder series, "
+        f"summaries and plots key each iteration {key}{index} ({key}[0] the first)."
+    )
 
 
 # --- rendering ----------------------------------------------------------------------------
@@ -261,6 +275,13 @@ def _header(fname: str, out: Any, kind: str, nums: tuple[int, ...], rows: list[d
     ]
     if unreached:
         lines.append(f"never reached by the backward pass (no record): {', '.join(unreached)}")
+    scanned = [r for r in rows if r.get("iterations")]
+    if scanned:
+        each = ", ".join(f"{r['key']} x{' x '.join(map(str, r['iterations']))}" for r in scanned)
+        lines.append(
+            f"inside lax.scan (one record per iteration, shapes per iteration): {each}; "
+            "iteration i is key[i] in Recorder series and plots"
+        )
     return lines
 
 
@@ -273,9 +294,10 @@ def _cells(row: dict) -> list[Any]:
     gp_lines = ["None: not differentiated"] if gp is None else tree_lines(gp)
     if gp is not None and not jax.tree.leaves(gp):
         gp_lines = ["{}: no params"]
+    its = row.get("iterations") or ()
     return [
         str(row["forward"]),
-        f"{row['key']} (call {row['call']})",
+        f"{row['key']}{''.join(f'[:{n}]' for n in its)} (call {row['call']})",
         str(row["backward"]),
         tree_lines(row["input"]),
         tree_lines(row["output"]),
@@ -342,10 +364,12 @@ def explain(
         ``forward`` and ``backward`` (positions in forward and backward order; ``backward`` is
         ``None`` for a call the backward pass never reaches), the record fields ``params``,
         ``input``, ``output``, ``grad_output``, ``grad_input``, ``grad_params`` as
-        ``jax.ShapeDtypeStruct`` pytrees (``None`` where the record has ``None``), and
-        ``meaning``: one sentence per field about this call. Its ``other_uses`` attribute lists
-        the parameters that plain-JAX matching found used outside any layer (weight decay in the
-        loss): ``(leaves, primitive, where)`` each, also printed under the header.
+        ``jax.ShapeDtypeStruct`` pytrees (``None`` where the record has ``None``),
+        ``iterations`` (the enclosing ``lax.scan`` s' lengths, outermost first; the shapes are
+        one iteration's) and ``meaning``: one sentence per field about this call. Its
+        ``other_uses`` attribute lists the parameters that plain-JAX matching found used outside
+        any layer (weight decay in the loss): ``(leaves, primitive, where)`` each, also printed
+        under the header.
 
     Raises:
         ConfigError: ``fun`` calls no vjpkit layer, or no arguments were given.
