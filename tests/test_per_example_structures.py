@@ -272,9 +272,12 @@ def test_curvature_of_a_transposed_weight_is_its_layout():
 
 
 @pytest.mark.parametrize("stride, padding, size", [(2, "SAME", 6), (1, "VALID", 3)])  # formed / ghost
-def test_conv_rows_against_the_convs_own_vjp(stride, padding, size):
-    """``stats.Rows.conv``: both of its ways (the conv's own per-example vjp, and the ghost norm
-    over patches) against ``jax.vjp`` of ``lax.conv_general_dilated`` per example, float64."""
+@pytest.mark.parametrize("patches", [1 << 30, 0], ids=["patches", "per-offset"])
+def test_conv_rows_against_the_convs_own_vjp(stride, padding, size, patches, monkeypatch):
+    """``stats.Rows.conv``: each of its ways (formed from the patches or per window offset, and
+    the ghost norm over patches) against ``jax.vjp`` of ``lax.conv_general_dilated`` per
+    example, float64."""
+    monkeypatch.setattr("vjpkit.stats._rows._PATCHES", patches)
     rng = np.random.default_rng(1)
     dn = ("NHWC", "HWIO", "NHWC")
     with jax.enable_x64(True):
@@ -292,6 +295,11 @@ def test_conv_rows_against_the_convs_own_vjp(stride, padding, size):
         np.testing.assert_allclose(stats.sq_norms([r]), sq, rtol=1e-12)
         np.testing.assert_allclose(stats.sq_norms([r.rows()]), sq, rtol=1e-12)
         np.testing.assert_allclose(stats.materialize([r]), want, rtol=1e-12, atol=1e-12)
+        done = stats.reduced([r])
+        assert (done is None) == r.ghost
+        if done is not None:
+            np.testing.assert_allclose(done[0], sq, rtol=1e-12)
+            np.testing.assert_allclose(done[1], want.sum(0), rtol=1e-12, atol=1e-12)
         c = jnp.asarray(rng.standard_normal(3))
         np.testing.assert_allclose(
             stats.weighted_sum([r], c), jnp.tensordot(c, want, 1), rtol=1e-12, atol=1e-12

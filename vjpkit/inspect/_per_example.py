@@ -696,9 +696,16 @@ class _Factored(_Leaf):
 
     def __init__(self, rows: list, ok: jax.Array | None):
         self.rows, self.ok = rows, ok
+        self._reduced: list = []
+
+    def reduced(self) -> tuple[jax.Array, jax.Array] | None:
+        """``(||g_i||^2, sum_i g_i)`` when the norms form the ``g_i`` (``stats.reduced``), once."""
+        if not self._reduced:
+            self._reduced.append(stats.reduced(self.rows))
+        return self._reduced[0]
 
     def sq_norms(self):
-        return self.guard(stats.sq_norms(self.rows))
+        return self.guard(stats.sq_norms(self.rows, self.reduced()))
 
     def weighted_sum(self, c):
         return self.guard(stats.weighted_sum(self.rows, c))
@@ -993,6 +1000,13 @@ def analyze(
         for i, g in zip(fallback, per_example):
             leaves[i] = _Materialized(g.astype(jnp.float32))
     _report_failed_checks(leaves, paths, owners, who)
+    # A leaf whose g_i are formed anyway (a conv's long rows): its batch gradient is their sum,
+    # so the backward pass's own weight gradient of that layer is dead code (XLA drops it)
+    flat = jax.tree.leaves(grads)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Factored) and leaf.ok is None and (done := leaf.reduced()) is not None:
+            flat[i] = (done[1] / jnp.float32(scale)).astype(flat[i].dtype)
+    grads = jax.tree.unflatten(treedef, flat)
     return Analysis(loss, grads, batch_size, paths, owners, leaves, treedef, captured, calls)
 
 
@@ -1045,11 +1059,25 @@ class _Stacked(_Leaf):
         sliced = {ix for x in uses for ix, m in calls_by_key[x.key].modes.items() if m == "stacked"}
         self.fixed = param_leaves
         self.sliced = {ix: param_leaves[ix].reshape(iters, *param_leaves[ix].shape[n:]) for ix in sliced}
-        if agg is not None:
-            oks = jax.vmap(lambda a, p, g: self._one(a, p, g).ok)(
-                self.arrays, self.sliced, agg.reshape(iters, *self.slice)
-            )
-            self.ok = None if oks is None else jnp.all(oks)
+        self.agg = None if agg is None else agg.reshape(iters, *self.slice)
+        self._checked: list = []
+
+    @property
+    def ok(self) -> jax.Array | None:  # type: ignore[override]
+        return None if self.agg is None else self._check()[1]
+
+    def _check(self) -> tuple[jax.Array, jax.Array | None]:
+        """The squared norms and the checks in one map over the iterations (a per-iteration
+        leaf built twice would compute its per-example gradients twice)."""
+        if not self._checked:
+
+            def one(a, p, g):
+                leaf = self._one(a, p, g)
+                return leaf.sq_norms(), leaf.ok
+
+            sq, oks = jax.vmap(one)(self.arrays, self.sliced, self.agg)
+            self._checked.append((jnp.sum(sq, axis=0), None if oks is None else jnp.all(oks)))
+        return self._checked[0]
 
     def _one(self, arrays, sliced, agg=None) -> _Leaf:
         views = [_View(xs, xa, ds, da) for (xs, ds), (xa, da) in zip(arrays, self.x_axes)]
@@ -1060,6 +1088,8 @@ class _Stacked(_Leaf):
         return jax.vmap(lambda a, p: f(self._one(a, p)))(self.arrays, self.sliced)
 
     def sq_norms(self):
+        if self.agg is not None:
+            return self.guard(self._check()[0])
         return self.guard(jnp.sum(self._map(lambda leaf: leaf.sq_norms()), axis=0))
 
     def weighted_sum(self, c):

@@ -14,8 +14,20 @@ from ._rows import OneHot as OneHot
 from ._rows import Rows as Rows
 from ._rows import check as check
 from ._rows import materialize as materialize
+from ._rows import reduced as reduced
 from ._rows import sq_norms as sq_norms
 from ._rows import sum_sq as sum_sq
 from ._rows import weighted_sum as weighted_sum
 
-__all__ = ["Conv", "OneHot", "Rows", "check", "materialize", "patches", "sq_norms", "sum_sq", "weighted_sum"]
+__all__ = [
+    "Conv",
+    "OneHot",
+    "Rows",
+    "check",
+    "materialize",
+    "patches",
+    "reduced",
+    "sq_norms",
+    "sum_sq",
+    "weighted_sum",
+]

@@ -25,7 +25,9 @@ The statistics (every function takes the list of one leaf's ``Rows``):
 * ``sum_sq``: ``sum_i g_i**2`` elementwise (BackPACK's ``SumGradSquared``, the diagonal GGN
   from seeded cotangents): ``(a*a)^T (b*b)`` with one row per example, else the ``g_i``
   formed in chunks of examples.
-* ``materialize``: ``g_i`` stacked, ``(B, *leaf)``.
+* ``materialize``: ``g_i`` stacked, ``(B, *leaf)``; ``reduced``: ``(||g_i||^2, sum_i g_i)`` only
+  when ``sq_norms`` must form the ``g_i`` (else None), so that a caller needing the batch
+  gradient too sums them instead of computing it again.
 * ``check(rows, batch_grad)``: whether ``weighted_sum(rows, 1)`` equals the batch gradient,
   through a fixed random projection (two matrix-vector products), to a bound on rounding.
 
@@ -36,6 +38,7 @@ This module imports nothing of vjpkit: it is the layer both ``vk.inspect`` and
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -44,9 +47,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._patches import patches
+from ._patches import column, padded, patches
 
 _CHUNK = 1 << 24  # floats of g_i formed at once by sum_sq / materialize when they must be formed
+_PATCHES = 1 << 20  # floats of unfolded patches a conv's per-example kernel gradient may make
 
 
 class OneHot(NamedTuple):
@@ -135,8 +139,11 @@ _DN = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWI
 class Conv(NamedTuple):
     """A convolution's use of its kernel (``Rows.conv``): as ``Rows`` of patches for the ghost
     norm (``P^2 <= K c_out`` with ``P`` output positions per example, ``K`` the patch size), else
-    each example's kernel gradient by the convolution's own vjp (``B x`` the kernel floats, no
-    patches)."""
+    each example's kernel gradient formed (``B x`` the kernel floats): one batched matrix product
+    of the unfolded patches with the cotangents when the patches are small (``B P K`` at most
+    ``_PATCHES`` floats), else one per window offset over that offset's strided input slice (no
+    patches). Both are the kernel gradient's own sums kept per example: on XLA:CPU 1.1-4x faster
+    than the vmapped vjp of the convolution (a grouped convolution) on ResNet-sized layers."""
 
     x: jax.Array
     d: jax.Array
@@ -175,8 +182,46 @@ class Conv(NamedTuple):
 
         return jax.vjp(conv, jnp.zeros(self.kernel, x.dtype))[1](d.astype(x.dtype))[0]
 
+    def reduced(self) -> tuple[jax.Array, jax.Array]:
+        """``(||g_i||^2 (B,), sum_i g_i)`` without keeping every ``g_i``: per window offset on
+        long rows (the squared norms add over the offsets' disjoint kernel slices)."""
+        g = self._patched()
+        if g is not None:
+            return jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1), jnp.sum(g, axis=0)
+        sq, total = self._per_offset(lambda g: (jnp.sum(jnp.square(g), axis=(1, 2)), jnp.sum(g, axis=0)))
+        return jnp.sum(sq, axis=0), total.reshape(self.kernel)
+
+    def _patched(self) -> jax.Array | None:
+        """``g_i`` from the unfolded patches when they are small (``_PATCHES``), else None."""
+        b, window = self.x.shape[0], self.kernel[:-2]
+        positions = math.prod(self.d.shape[1:]) // self.kernel[-1]
+        if b * positions * math.prod(self.kernel[:-1]) > _PATCHES:
+            return None
+        a = patches(self._images(self.x), window, self.strides, self.padding, self.dilation)
+        d = self.d.reshape(b, positions, self.kernel[-1]).astype(self.x.dtype)
+        return jnp.einsum("bpk,bpo->bko", a.reshape(b, positions, -1), d).reshape(b, *self.kernel)
+
+    def _per_offset(self, f) -> Any:
+        """``f(g_off)`` of each window offset's ``(B, c_in, c_out)`` slice of ``g_i``, stacked on a
+        leading offset axis (``jax.lax.map``: one offset's input slice at a time)."""
+        b, window = self.x.shape[0], self.kernel[:-2]
+        d = self.d.reshape(b, -1, self.kernel[-1]).astype(self.x.dtype)  # (B, positions, c_out)
+        xp, out, strides, dilation = padded(
+            self._images(self.x), window, self.strides, self.padding, self.dilation
+        )
+        offsets = jnp.asarray(list(itertools.product(*(range(k) for k in window))), jnp.int32)
+
+        def one(offset):
+            c = column(xp, offset, out, strides, dilation).reshape(*d.shape[:2], -1)
+            return f(jnp.einsum("bpi,bpo->bio", c, d))
+
+        return jax.lax.map(one, offsets)
+
     def per_example(self) -> jax.Array:
-        return jax.vmap(lambda xi, di: self._vjp(self._images(xi), self._images(di)))(self.x, self.d)
+        g = self._patched()
+        if g is not None:
+            return g
+        return jnp.moveaxis(self._per_offset(lambda g: g), 1, 0).reshape(self.x.shape[0], *self.kernel)
 
     def total(self, c: jax.Array | None) -> jax.Array:
         d = self.d if c is None else self.d * c.reshape(-1, *[1] * (self.d.ndim - 1)).astype(self.d.dtype)
@@ -235,26 +280,41 @@ def _ghost(rows: list[Rows]) -> bool:
     return any(isinstance(r.a, OneHot) for r in rows) or n_rows * n_rows <= rows[0].m * rows[0].n
 
 
-def sq_norms(rows: Sequence[Rows]) -> jax.Array:
-    """``||g_i||^2`` of the leaf, ``(B,)`` (see the module contract)."""
+def reduced(rows: Sequence[Rows]) -> tuple[jax.Array, jax.Array] | None:
+    """``(||g_i||^2, sum_i g_i)`` when ``sq_norms`` must form the ``g_i`` (a convolution with long
+    rows, or rows too long for the ghost norm), else None (ghost norm or one row: nothing formed,
+    and the batch gradient is better taken from the backward pass). A caller that needs the
+    batch gradient too takes this sum instead of computing it again."""
     rows = list(rows)
     if len(rows) == 1 and isinstance(rows[0], Conv) and not rows[0].ghost:
-        g = rows[0].per_example()
-        return jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
-    rows = _expand(rows)
-    oriented = _oriented(rows)
-    if oriented is not None and all(r.n_rows == 1 for r in oriented) and len(oriented) == 1:
+        return rows[0].reduced()
+    expanded = _expand(rows)
+    oriented = _oriented(expanded)
+    if oriented is not None and (
+        (all(r.n_rows == 1 for r in oriented) and len(oriented) == 1) or _ghost(oriented)
+    ):
+        return None
+    g = materialize(expanded)
+    return jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1), jnp.sum(g, axis=0)
+
+
+def sq_norms(rows: Sequence[Rows], done: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """``||g_i||^2`` of the leaf, ``(B,)`` (see the module contract); ``done``: ``reduced(rows)``
+    when the caller has it already."""
+    rows = list(rows)
+    done = reduced(rows) if done is None else done
+    if done is not None:
+        return done[0]
+    oriented = _oriented(_expand(rows))
+    if len(oriented) == 1 and oriented[0].n_rows == 1:
         r = oriented[0]
         return _row_sq(r.a)[:, 0] * jnp.sum(jnp.square(r.b[:, 0]), -1)
-    if oriented is not None and _ghost(oriented):
-        total = 0.0
-        for k, u in enumerate(oriented):
-            for v in oriented[k:]:
-                term = jnp.sum(_gram(u.a, v.a).astype(u.b.dtype) * _gram(u.b, v.b), axis=(1, 2))
-                total = total + (term if v is u else 2 * term)
-        return total
-    g = materialize(rows)
-    return jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
+    total = 0.0
+    for k, u in enumerate(oriented):
+        for v in oriented[k:]:
+            term = jnp.sum(_gram(u.a, v.a).astype(u.b.dtype) * _gram(u.b, v.b), axis=(1, 2))
+            total = total + (term if v is u else 2 * term)
+    return total
 
 
 def _row_sq(a: Any) -> jax.Array:
