@@ -841,7 +841,9 @@ def test_scan_iterations_equal_the_unrolled_program(jit_or_eager, f64):
     blocks = captured["blocks"]
     assert blocks.kflr.A.shape == (SCAN_DEPTH, 5, 5) and blocks.kflr.G.shape == (SCAN_DEPTH, 4, 4)
     assert blocks.batch_l2["w"].shape == (SCAN_DEPTH, 5)
-    assert blocks.layout.weight_leaf is None and blocks.layout.bias_leaf is None
+    # the stacked leaves, given to the scan as xs: one slice (and one K-FAC block) per iteration
+    assert blocks.layout.weight_leaf == (DictKey("blocks"), DictKey("w")) and blocks.layout.scans == "s"
+    assert blocks.layout.bias_leaf == (DictKey("blocks"), DictKey("b"))
     assert captured["fc_in"].layout.weight_leaf == (DictKey("fc_in"), DictKey("w"))
     # the Monte-Carlo statistics and the variance: the unrolled program's, with the same key
     loss_u = lambda q, x, y: vk.curvature.softmax_cross_entropy(apply(UNROLLED, q, x), y)

@@ -22,6 +22,7 @@ from ._driver import trace as trace
 from ._handlers import Handler as Handler
 from ._handlers import chain as chain
 from ._plan import Plan as Plan
+from ._plan import Scanned as Scanned
 from ._plan import Site as Site
 from ._rules import RULES as RULES
 from ._rules import Rule as Rule
@@ -38,6 +39,7 @@ __all__ = [
     "Layout",
     "Plan",
     "Rule",
+    "Scanned",
     "Site",
     "Span",
     "Traced",

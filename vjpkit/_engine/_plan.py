@@ -27,7 +27,9 @@ from jax.extend import core as jcore
 from .._errors import ConfigError
 from .._records import Cotangents, call_key
 from . import _site
-from ._rules import At, rule_for
+from ._rules import At, Scanned, rule_for
+
+__all__ = ["Plan", "Scanned", "Site"]
 
 
 def _inexact(aval: Any) -> bool:
@@ -53,7 +55,9 @@ class Site:
         flags: per operand, whether it carries a gradient (``grad_input`` / ``grad_params``
             leaves are ``None`` where not).
         origins: per operand, the index of the program input it is (passed through calls
-            unchanged), or ``None`` (computed, constant, or inside a loop or branch).
+            unchanged), a ``Scanned`` under ``lax.scan`` (the input given to the enclosing
+            scans, sliced or closed over by each), or ``None`` (computed, constant, carried,
+            or inside a ``cond`` branch).
         scans: lengths of the enclosing ``lax.scan`` s, outermost first; loops: their paths.
         in_cond: inside a ``lax.cond`` branch.
         record: the record's fields as ``ShapeDtypeStruct`` trees (unstacked).
@@ -191,7 +195,7 @@ class Plan:
     def site(self, eqn, ins, at: At) -> list[bool]:
         span = _site.span_of(eqn)
         inner = span.jaxpr.jaxpr
-        orig = [None] * len(inner.invars) if at.scans or at.in_cond else list(self._origins)
+        orig = [None] * len(inner.invars) if at.in_cond else list(self._origins)
         if not at.register:
             return self.walk(inner, ins, at)
         name = span.name

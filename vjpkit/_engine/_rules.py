@@ -49,6 +49,22 @@ class Rule(NamedTuple):
 # --- default: any other primitive ---------------------------------------------------------------
 
 
+class Scanned(NamedTuple):
+    """A program input as a layer call under ``lax.scan`` sees it: ``leaf`` (its index) given to
+    each enclosing scan, outermost first, as ``xs`` (``"s"``: one slice per iteration) or as a
+    const (``"c"``: the same array every iteration)."""
+
+    leaf: int
+    how: str
+
+
+def scanned(origin: Any, how: str) -> Any:
+    """``origin`` given to one more scan ``how`` (``"s"`` or ``"c"``); None stays None."""
+    if isinstance(origin, Scanned):
+        return Scanned(origin.leaf, origin.how + how)
+    return Scanned(origin, how) if isinstance(origin, int) else None
+
+
 def _plan_default(planner, eqn, ins, at):
     if eqn.primitive.name == "stop_gradient":
         return [False] * len(eqn.outvars)
@@ -82,6 +98,7 @@ SITE = Rule(_plan_site, _eval_site)
 
 
 def _plan_scan(planner, eqn, ins, at):
+    orig = planner.origins_of(eqn)  # before the walks below move on to the body's equations
     nc, ncar = _compat.scan_split(eqn.params)
     body = eqn.params["jaxpr"].jaxpr
     consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
@@ -92,7 +109,10 @@ def _plan_scan(planner, eqn, ins, at):
             break
         carry = new
     inner = at._replace(scans=(*at.scans, (at.path, eqn.params["length"])))
-    return planner.walk(body, consts + carry + xs, inner)
+    # the leaves given as consts or xs, tagged so (Scanned)
+    tagged = [scanned(o, "c") for o in orig[:nc]] + [None] * ncar
+    tagged += [scanned(o, "s") for o in orig[nc + ncar :]]
+    return planner.walk(body, consts + carry + xs, inner, tagged)
 
 
 def _eval_scan(runner, eqn, invals, p, probes, states):

@@ -14,12 +14,17 @@ inverts and applies them.
   are looked up in the tree given to ``init`` and ``update`` (``Layout.argnum`` is not read:
   give the optimizer the differentiated argument's tree).
 * Shared leaves. All records naming the same weight leaf (a weight called twice, ``fc1`` and
-  ``fc1#1``, or called inside ``lax.scan`` with one factor per iteration along leading axes)
-  form one block: their ``A``'s are summed and their ``G``'s are summed, separately. The block's
-  state is keyed by its first layer name in ``like``'s order.
-* Fallback. Leaves no layer covers, and layers without a weight leaf path (a slice of a stacked
-  weight under ``lax.scan``, or a bias row the factors include but no bias leaf), get the plain
-  gradient, ``-learning_rate * g`` (SGD); the latter are warned about once (``UserWarning``).
+  ``fc1#1``, or closed over by a ``lax.scan``, with one factor per iteration along leading
+  axes) form one block: their ``A``'s are summed and their ``G``'s are summed, separately. The
+  block's state is keyed by its first layer name in ``like``'s order.
+* Stacked leaves. A weight given to ``lax.scan`` as ``xs`` (blocks over stacked weights,
+  ``Layout.scans`` with ``"s"``) is one block per slice: its factors, their EMA and inverses
+  keep the iterations' leading axes, and each slice of the leaf is preconditioned by its own
+  (``jax.vmap`` over the slices), exactly as the same model unrolled into separate weights.
+* Fallback. Leaves no layer covers, and layers without a weight leaf path (a weight computed in
+  the loss or carried through a scan, or a bias row the factors include but no bias leaf), get
+  the plain gradient, ``-learning_rate * g`` (SGD); the latter are warned about once
+  (``UserWarning``).
 * Statistics. ``A_ema = decay * A_ema + (1 - decay) * A`` (same for ``G``), the EMA taking the
   first step's factors themselves (initialised at the first observation, not bias-corrected).
   With ``axis_name`` the step's factors are ``lax.pmean``-ed over that axis before the EMA.
@@ -88,6 +93,7 @@ class _Block:
     d_a: int
     d_g: int
     dtype: Any
+    lead: tuple = ()  # the stacked iterations' lengths (a slice and a factor pair per iteration)
 
     @property
     def leaves(self) -> tuple:
@@ -99,9 +105,21 @@ def _keystr(path) -> str:
     return jax.tree_util.keystr(tuple(path))
 
 
-def _lead_sum(x: jax.Array) -> jax.Array:
-    """Sums the leading (scan) axes of a stacked ``(..., d, d)`` factor."""
-    return x if x.ndim == 2 else jnp.sum(x, axis=tuple(range(x.ndim - 2)))
+def _lead_sum(x: jax.Array, scans: str = "") -> jax.Array:
+    """Sums the leading (scan) axes of a stacked ``(..., d, d)`` factor, but those of the scans
+    that slice the leaf (``"s"`` in ``scans``, one letter per leading axis)."""
+    summed = tuple(k for k in range(x.ndim - 2) if k >= len(scans) or scans[k] != "s")
+    return jnp.sum(x, axis=summed) if summed else x
+
+
+def _per_slice(f, lead: tuple, *xs: Any) -> Any:
+    """``f`` of each stacked slice of ``xs`` (leading axes ``lead``), stacked back."""
+    if not lead:
+        return f(*xs)
+    n = math.prod(lead)
+    flat = [jax.tree.map(lambda a: a.reshape(n, *a.shape[len(lead) :]), x) for x in xs]
+    out = jax.vmap(f)(*flat)
+    return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
 
 
 def _factors_of(rec: Any, name: str, estimator: str, where: str) -> Factors:
@@ -214,7 +232,8 @@ def kfac(
             )
         a_shape, g_shape = tuple(f.A.shape), tuple(f.G.shape)
         dtype = jax.dtypes.canonicalize_dtype(stats_dtype(f.A.dtype))
-        shapes[name] = (a_shape, g_shape, dtype)
+        lead = tuple(n for n, how in zip(a_shape[:-2], layout.scans) if how == "s")
+        shapes[name] = (a_shape, g_shape, dtype, lead)
         if layout.weight_leaf is None or (layout.bias is not None and layout.bias_leaf is None):
             unpreconditioned.append(name)
         else:
@@ -224,7 +243,7 @@ def kfac(
     for members in grouped.values():
         first = members[0]
         layout = like[first].layout
-        a_shape, g_shape, dtype = shapes[first]
+        a_shape, g_shape, dtype, lead = shapes[first]
         if len(a_shape) < 2 or len(g_shape) < 2 or a_shape[-1] != a_shape[-2] or g_shape[-1] != g_shape[-2]:
             raise ConfigError(
                 f"kfac: layer {first!r}: {estimator}.A and .G must be square (..., d, d); got "
@@ -232,12 +251,14 @@ def kfac(
             )
         for other in members[1:]:
             o_layout = like[other].layout
-            same = (o_layout.bias_leaf, o_layout.transpose, o_layout.in_ndim) == (
+            same = (o_layout.bias_leaf, o_layout.transpose, o_layout.in_ndim, o_layout.n_stacked) == (
                 layout.bias_leaf,
                 layout.transpose,
                 layout.in_ndim,
+                layout.n_stacked,
             )
-            o_a, o_g, _ = shapes[other]
+            o_a, o_g, _, o_lead = shapes[other]
+            same = same and o_lead == lead
             if not same or o_a[-2:] != a_shape[-2:] or o_g[-2:] != g_shape[-2:]:
                 raise ConfigError(
                     f"kfac: layers {first!r} and {other!r} share the weight leaf "
@@ -245,7 +266,7 @@ def kfac(
                     f"(A {a_shape[-2:]} vs {o_a[-2:]}, G {g_shape[-2:]} vs {o_g[-2:]}); their factors "
                     "cannot be summed into one block."
                 )
-        blocks.append(_Block(first, tuple(members), layout, a_shape[-1], g_shape[-1], dtype))
+        blocks.append(_Block(first, tuple(members), layout, a_shape[-1], g_shape[-1], dtype, lead))
 
     owner: dict[tuple, str] = {}
     for blk in blocks:
@@ -294,7 +315,14 @@ def kfac(
         for blk in blocks:
             layout = blk.layout
             w = leaves[index[tuple(layout.weight_leaf)]]
-            wshape = tuple(w.shape)
+            k = layout.n_stacked
+            if tuple(w.shape[:k]) != blk.lead:
+                raise ConfigError(
+                    f"kfac: layer {blk.key!r}: the weight leaf {_keystr(layout.weight_leaf)} of shape "
+                    f"{tuple(w.shape)} is given to lax.scan as xs with {blk.lead} iterations: its "
+                    f"leading axes must be {blk.lead}."
+                )
+            wshape = tuple(w.shape[k:])
             if not 1 <= layout.in_ndim < len(wshape):
                 raise ConfigError(
                     f"kfac: layer {blk.key!r}: the weight leaf {_keystr(layout.weight_leaf)} has shape "
@@ -314,35 +342,39 @@ def kfac(
                 )
             if has_bias:
                 b = leaves[index[tuple(layout.bias_leaf)]]
-                if math.prod(b.shape) != d_out:
+                if tuple(b.shape[:k]) != blk.lead or math.prod(b.shape[k:]) != d_out:
                     raise ConfigError(
                         f"kfac: layer {blk.key!r}: the bias leaf {_keystr(layout.bias_leaf)} has shape "
-                        f"{tuple(b.shape)}, expected {d_out} entries (G is {got_g})."
+                        f"{tuple(b.shape)}, expected "
+                        + (f"{blk.lead} iterations of " if blk.lead else "")
+                        + f"{d_out} entries (G is {got_g})."
                     )
 
     def refresh(factors: dict[str, Factors], _old: Any = None) -> dict[str, Any]:
-        out = {}
-        for blk in blocks:
-            a, g = factors[blk.key]
-            eye_a, eye_g = jnp.eye(blk.d_a, dtype=a.dtype), jnp.eye(blk.d_g, dtype=g.dtype)
-            if solver == "eigh":
-                s_a, u_a = jnp.linalg.eigh(a)
-                s_g, u_g = jnp.linalg.eigh(g)
-                out[blk.key] = (u_a, jnp.maximum(s_a, 0.0), u_g, jnp.maximum(s_g, 0.0))
-                continue
-            if pi_damping:
-                ta, tg = jnp.trace(a) / blk.d_a, jnp.trace(g) / blk.d_g
-                ok = (ta > 0) & (tg > 0)
-                pi = jnp.where(ok, jnp.sqrt(jnp.where(ok, ta, 1.0) / jnp.where(ok, tg, 1.0)), 1.0)
-            else:
-                pi = jnp.ones((), a.dtype)
-            sq = math.sqrt(damping)
-            a_d = a + (pi * sq) * eye_a
-            g_d = g + (sq / pi) * eye_g
-            a_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a_d, lower=True), eye_a)
-            g_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(g_d, lower=True), eye_g)
-            out[blk.key] = Factors(a_inv, g_inv)
-        return out
+        return {
+            blk.key: _per_slice(lambda a, g, b=blk: invert(b, a, g), blk.lead, *factors[blk.key])
+            for blk in blocks
+        }
+
+    def invert(blk: _Block, a: jax.Array, g: jax.Array) -> Any:
+        """One slice's inverses (or eigendecompositions) of its EMA factors."""
+        eye_a, eye_g = jnp.eye(blk.d_a, dtype=a.dtype), jnp.eye(blk.d_g, dtype=g.dtype)
+        if solver == "eigh":
+            s_a, u_a = jnp.linalg.eigh(a)
+            s_g, u_g = jnp.linalg.eigh(g)
+            return (u_a, jnp.maximum(s_a, 0.0), u_g, jnp.maximum(s_g, 0.0))
+        if pi_damping:
+            ta, tg = jnp.trace(a) / blk.d_a, jnp.trace(g) / blk.d_g
+            ok = (ta > 0) & (tg > 0)
+            pi = jnp.where(ok, jnp.sqrt(jnp.where(ok, ta, 1.0) / jnp.where(ok, tg, 1.0)), 1.0)
+        else:
+            pi = jnp.ones((), a.dtype)
+        sq = math.sqrt(damping)
+        a_d = a + (pi * sq) * eye_a
+        g_d = g + (sq / pi) * eye_g
+        a_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a_d, lower=True), eye_a)
+        g_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(g_d, lower=True), eye_g)
+        return Factors(a_inv, g_inv)
 
     def precondition(blk: _Block, inv: Any, m: jax.Array) -> jax.Array:
         if solver == "eigh":
@@ -357,23 +389,27 @@ def kfac(
         warn_unpreconditioned()
         # built in NumPy and transferred: no small program to compile per shape at init
         zeros = lambda *shape, dtype: jnp.asarray(np.zeros(shape, dtype))
-        eye = lambda n, dtype: jnp.asarray(np.eye(n, dtype=dtype))
+        eye = lambda lead, n, dtype: jnp.asarray(np.broadcast_to(np.eye(n, dtype=dtype), (*lead, n, n)))
         factors = {
-            b.key: Factors(zeros(b.d_a, b.d_a, dtype=b.dtype), zeros(b.d_g, b.d_g, dtype=b.dtype))
+            b.key: Factors(
+                zeros(*b.lead, b.d_a, b.d_a, dtype=b.dtype), zeros(*b.lead, b.d_g, b.d_g, dtype=b.dtype)
+            )
             for b in blocks
         }
         if solver == "eigh":
             inverses = {
                 b.key: (
-                    eye(b.d_a, b.dtype),
-                    zeros(b.d_a, dtype=b.dtype),
-                    eye(b.d_g, b.dtype),
-                    zeros(b.d_g, dtype=b.dtype),
+                    eye(b.lead, b.d_a, b.dtype),
+                    zeros(*b.lead, b.d_a, dtype=b.dtype),
+                    eye(b.lead, b.d_g, b.dtype),
+                    zeros(*b.lead, b.d_g, dtype=b.dtype),
                 )
                 for b in blocks
             }
         else:
-            inverses = {b.key: Factors(eye(b.d_a, b.dtype), eye(b.d_g, b.dtype)) for b in blocks}
+            inverses = {
+                b.key: Factors(eye(b.lead, b.d_a, b.dtype), eye(b.lead, b.d_g, b.dtype)) for b in blocks
+            }
         return KfacState(jnp.asarray(np.zeros((), np.int32)), factors, inverses, tail.init(params))
 
     def step_factors(curvature: Mapping[str, LayerCurvature]) -> dict[str, Factors]:
@@ -399,12 +435,13 @@ def kfac(
             sum_a = sum_g = None
             for name in blk.names:
                 f = _factors_of(curvature[name], name, estimator, "curvature")
-                a, g = _lead_sum(jnp.asarray(f.A)), _lead_sum(jnp.asarray(f.G))
-                if a.shape != (blk.d_a, blk.d_a) or g.shape != (blk.d_g, blk.d_g):
+                scans = curvature[name].layout.scans if curvature[name].layout is not None else ""
+                a, g = _lead_sum(jnp.asarray(f.A), scans), _lead_sum(jnp.asarray(f.G), scans)
+                want_a, want_g = (*blk.lead, blk.d_a, blk.d_a), (*blk.lead, blk.d_g, blk.d_g)
+                if a.shape != want_a or g.shape != want_g:
                     raise ConfigError(
                         f"kfac: layer {name!r}: this step's {estimator} factors A {tuple(f.A.shape)}, "
-                        f"G {tuple(f.G.shape)} differ from like's ({blk.d_a}, {blk.d_a}), "
-                        f"({blk.d_g}, {blk.d_g})."
+                        f"G {tuple(f.G.shape)} differ from like's {want_a}, {want_g}."
                     )
                 a, g = a.astype(blk.dtype), g.astype(blk.dtype)
                 sum_a = a if sum_a is None else sum_a + a
@@ -450,17 +487,20 @@ def kfac(
         for blk in blocks:
             layout = blk.layout
             wi = index[tuple(layout.weight_leaf)]
-            w = leaves[wi]
-            m = layout.to_matrix(w).astype(blk.dtype)
-            if layout.bias_leaf is not None:
-                bi = index[tuple(layout.bias_leaf)]
-                m = jnp.concatenate([m, leaves[bi].reshape(1, -1).astype(blk.dtype)], axis=0)
-            p = precondition(blk, inverses[blk.key], m)
-            if layout.bias_leaf is not None:
-                b = leaves[bi]
-                direction[bi] = p[-1].reshape(b.shape).astype(b.dtype)
-                p = p[:-1]
-            direction[wi] = layout.from_matrix(p, w.shape).astype(w.dtype)
+            bi = index[tuple(layout.bias_leaf)] if layout.bias_leaf is not None else None
+            w, b = leaves[wi], None if bi is None else leaves[bi]
+
+            def one(inv, w, b, blk=blk, layout=layout):  # one slice of a stacked leaf, or the leaf
+                m = layout.to_matrix(w).astype(blk.dtype)
+                if b is not None:
+                    m = jnp.concatenate([m, b.reshape(1, -1).astype(blk.dtype)], axis=0)
+                p = precondition(blk, inv, m)
+                pb = None if b is None else p[-1].reshape(b.shape).astype(b.dtype)
+                return layout.from_matrix(p if b is None else p[:-1], w.shape).astype(w.dtype), pb
+
+            direction[wi], pb = _per_slice(one, blk.lead, inverses[blk.key], w, b)
+            if bi is not None:
+                direction[bi] = pb
         direction = jax.tree_util.tree_unflatten(treedef, direction)
         out, inner = tail.update(direction, state.inner, params)
         return out, KfacState(optax.safe_increment(state.count), factors, inverses, inner)

@@ -376,18 +376,28 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     if weight is None:
         raise ConfigError(f"{transform}: vk.curvature.stats: {where} has no weight among {sorted(params)}.")
     _, (origins, _, _) = site.layout.split(site.origins)
-    origin = _flat(jax.tree.map(lambda o: o, origins, is_leaf=lambda o: o is None))
+    leafy = lambda o: o is None or isinstance(o, _engine.Scanned)
+    origin = {
+        _format.path(kp): o for kp, o in jax.tree_util.tree_flatten_with_path(origins, is_leaf=leafy)[0]
+    }
     w_at, b_at = origin.get(weight), origin.get(bias) if bias else None
-    w_leaf = paths[w_at] if isinstance(w_at, int) else None
-    b_leaf = paths[b_at] if isinstance(b_at, int) else None
+    scans = w_at.how if isinstance(w_at, _engine.Scanned) else ""
+
+    def leaf(at):  # the argument leaf given to the call as it is (sliced or closed over by scans)
+        if isinstance(at, _engine.Scanned) and at.how == scans and len(scans) == len(site.scans):
+            return paths[at.leaf]
+        return paths[at] if isinstance(at, int) and not site.scans else None
+
+    w_leaf, b_leaf = leaf(w_at), leaf(b_at) if b_at is not None else None
     if kind.kind == "conv":
         n = params[weight].ndim - 2
         return Layout(
             "conv", weight, bias, in_ndim=n + 1, strides=tuple(kind.strides), padding=kind.padding,
             dilation=tuple(kind.dilation), argnum=w_leaf[0] if w_leaf else 0,
-            weight_leaf=w_leaf and w_leaf[1], bias_leaf=b_leaf and b_leaf[1],
+            weight_leaf=w_leaf and w_leaf[1], bias_leaf=b_leaf and b_leaf[1], scans=scans,
         )  # fmt: skip
     return Layout(
         "dense", weight, bias, transpose=kind.transpose, in_ndim=kind.in_ndim,
         argnum=w_leaf[0] if w_leaf else 0, weight_leaf=w_leaf and w_leaf[1], bias_leaf=b_leaf and b_leaf[1],
+        scans=scans,
     )  # fmt: skip

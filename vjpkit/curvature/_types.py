@@ -51,8 +51,13 @@ class Layout:
         strides, padding, dilation: a convolution's own (from its kind), else unused.
         argnum: the differentiated positional argument the weight and bias leaves belong to.
         weight_leaf, bias_leaf: the leaves' key paths inside that argument (as
-            ``jax.tree_util.tree_flatten_with_path`` of it gives them), or ``None`` when the leaf
-            is not itself a leaf of an argument (a slice of a stacked weight under ``lax.scan``).
+            ``jax.tree_util.tree_flatten_with_path`` of it gives them), or ``None`` when the
+            layer's parameter is not a leaf of an argument (a computed value, a weight carried
+            through a scan).
+        scans: under ``lax.scan``, one letter per enclosing scan (outermost first): ``"s"`` the
+            leaves are given to it as ``xs`` (stacked: a leading axis of the leaf per ``"s"``,
+            one slice and one factor per iteration), ``"c"`` closed over (the same weight every
+            iteration: its factors sum over that scan's iterations, as a shared weight's do).
     """
 
     kind: str
@@ -66,6 +71,12 @@ class Layout:
     argnum: int = 0
     weight_leaf: tuple | None = None
     bias_leaf: tuple | None = None
+    scans: str = ""
+
+    @property
+    def n_stacked(self) -> int:
+        """How many leading axes of the weight (and bias) leaf are the scans' iterations."""
+        return self.scans.count("s")
 
     def matrix_shape(self, w_shape: tuple[int, ...]) -> tuple[int, int]:
         """``(in, out)`` of the weight leaf of shape ``w_shape`` as the K-FAC matrix."""
