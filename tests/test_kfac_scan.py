@@ -102,3 +102,29 @@ def test_a_stacked_leaf_of_the_wrong_length_is_an_error():
     with pytest.raises(vk.ConfigError, match=r"given to lax.scan as xs with \(3,\) iterations"):
         opt.init(bad)
     np.testing.assert_array_equal(opt.init(p).count, 0)
+
+
+def test_kfac_without_statistics_is_an_error_not_sgd():
+    """``like={}``, a first ``update()`` without ``curvature=``, and ``make_step`` / ``fit`` with a
+    K-FAC optimizer but no ``vk.curvature.stats`` capture would each be momentum SGD."""
+    with pytest.raises(vk.ConfigError, match="nothing to precondition"):
+        vk.curvature.kfac(0.1, like={})
+    p = params()
+    x, y = jax.random.normal(jax.random.key(1), (B, D)), jnp.zeros((B,), jnp.int32)
+    grad = vk.grad(scanned, capture=vk.curvature.stats("*", ["kflr"]))
+    g, curvature = grad(p, x, y)
+    opt = vk.curvature.kfac(0.1, like=curvature, estimator="kflr")
+    with pytest.raises(vk.ConfigError, match="first update"):
+        opt.update(g, opt.init(p), p)
+    _, state = opt.update(g, opt.init(p), p, curvature=curvature)
+    opt.update(g, state, p)  # later steps may reuse the cached inverses
+
+    loss = lambda p, batch: scanned(p, *batch)
+    state = vk.train.TrainState.create(p, opt)
+    with pytest.raises(vk.ConfigError, match=r"capture= has none"):
+        vk.train.make_step(loss, opt)(state, (x, y))
+    with pytest.raises(vk.ConfigError, match=r"capture= has none"):
+        vk.train.fit(loss, opt, p, (x, y), batch_size=B, steps=1, progress=False)
+    step = vk.train.make_step(loss, opt, capture=vk.curvature.stats("*", ["kflr"]))
+    new, _ = step(state, (x, y))
+    assert int(new.step) == 1

@@ -30,7 +30,9 @@ inverts and applies them.
   With ``axis_name`` the step's factors are ``lax.pmean``-ed over that axis before the EMA.
 * A step without statistics (``update(..., curvature=None)``, the statistics computed only every
   few steps to save their cost) keeps the EMA and preconditions with the cached inverses; the
-  first update needs statistics (before it the inverses are the initial ones).
+  first update needs statistics: without them it is a ``ConfigError`` when the state's count
+  is concrete (an eager call), and ``vk.train.make_step`` / ``fit`` refuse a K-FAC optimizer
+  without a ``vk.curvature.stats`` capture. ``like={}`` is an error.
 * Inverses are recomputed from the EMA when ``count % update_every == 0`` (``lax.cond``; the
   first step always), else the cached ones are reused: an ``"inverse"`` step between refreshes
   costs two matmuls per layer.
@@ -217,6 +219,12 @@ def kfac(
             "({layer name: LayerCurvature}, e.g. jax.eval_shape of the step)."
         )
 
+    if not like:
+        raise ConfigError(
+            "kfac: like= has no layers, so there is nothing to precondition: every step would be "
+            "momentum SGD. Pass the curvature dict of a step captured with vk.curvature.stats over "
+            "the model's layers (jax.eval_shape of the step)."
+        )
     # Static plan from `like`: blocks (one per weight leaf) and layers falling back to SGD.
     names = tuple(like)
     grouped: dict[tuple, list[str]] = {}
@@ -462,6 +470,13 @@ def kfac(
         del extra_args  # other members' extra arguments under optax.chain
         warn_unpreconditioned()
         if curvature is None:  # no statistics this step: the cached inverses precondition it
+            if not isinstance(state.count, jax.core.Tracer) and int(state.count) == 0:
+                raise ConfigError(
+                    "kfac: the first update() has no curvature=: there are no statistics to "
+                    "precondition with yet (the step would be plain momentum SGD). Pass the step's "
+                    "vk.curvature.stats capture as update(..., curvature=...) at least on the first "
+                    "step; later steps may omit it to reuse the cached inverses."
+                )
             factors, inverses = state.factors, state.inverses
         else:
             new = step_factors(curvature)

@@ -21,7 +21,7 @@ import optax
 
 from .. import _autodiff, _capture, _host
 from .._errors import ConfigError
-from ..curvature import StatsSpec
+from ..curvature import KfacState, StatsSpec
 from ._state import TrainState, keep_types
 
 NAN_POLICIES = ("stop", "continue", "off")
@@ -54,6 +54,10 @@ def _wants_key(loss_fn: Callable) -> bool:
 
 def _curvature_specs(capture: Any) -> list:
     return [c for c in _capture.items(capture) if isinstance(c, StatsSpec)]
+
+
+def _is_kfac(x: Any) -> bool:
+    return isinstance(x, KfacState)
 
 
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:
@@ -120,6 +124,15 @@ def build_step(
     captures = capture is not None
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        if not curvature and any(
+            isinstance(s, KfacState) for s in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac)
+        ):
+            raise ConfigError(
+                "make_step: the optimizer holds vk.curvature.kfac, which preconditions with the "
+                "statistics a vk.curvature.stats capture gives each step, but capture= has none: "
+                "every step would be momentum SGD. Pass capture=vk.curvature.stats(layers, "
+                "['kfac']) (the spec like= was built from), or use another optimizer."
+            )
         rng, key = jax.random.split(state.rng)
         kwargs = {"key": key} if wants_key else {}
         loss_kwargs = kwargs if _wants_key(loss_fn) else {}
