@@ -173,3 +173,25 @@ def test_grad_of_grad_through_the_rewrite():
     f = lambda p: jnp.sum(jax.tree.leaves(vk.grad(loss)(p, x))[1] ** 2)
     g = lambda p: jnp.sum(jax.tree.leaves(jax.grad(loss)(p, x))[1] ** 2)
     tree_allclose(jax.grad(f)(params), jax.grad(g)(params), rtol=1e-5, atol=1e-7)
+
+
+def test_records_under_vmap_inside_the_loss_and_checkpoint(maybe_jit):
+    """The model vmapped over the examples inside the loss, its loop under jax.checkpoint: the
+    fori_loop records still equal the same scan's."""
+    params, x = mlp_params(jax.random.key(13)), batch(14)
+
+    def model(loop):
+        def one(p, xi):
+            if loop == "fori":
+                f = lambda h: jax.lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ p["blocks"]["w"][i]), h)
+            else:
+                f = lambda h: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["blocks"]["w"])[0]
+            return jax.checkpoint(f)(xi)
+
+        return lambda p, x: jnp.mean(jax.vmap(one, in_axes=(None, 0))(p, x) ** 2)
+
+    spec = vk.capture("blocks*", fields=["grad_output", "grad_params"])
+    got = maybe_jit(vk.grad(model("fori"), capture=spec))(params, x)
+    want = maybe_jit(vk.grad(model("scan"), capture=spec))(params, x)
+    assert sorted(got[1]) == sorted(want[1]) and got[1]
+    tree_allclose(got, want, rtol=1e-6, atol=1e-7)
