@@ -61,9 +61,11 @@ Each parameter leaf gets its per-example gradient one of these ways:
   strides, padding and dilation; nothing is inferred from shapes; a custom layer with a
   conv-shaped ``weight`` is a conv only with ``conv={glob: (stride, padding)}``): the ghost norm
   over the unfolded patches when ``P^2 <= K c_out`` (``P`` output positions per example), else
-  the per-example kernel gradients of that layer only, a vmapped vjp of
-  ``lax.conv_general_dilated`` per example (``B * prod(kernel shape)`` floats); both in
-  ``vjpkit.stats`` (``Rows.conv``), with dense weights and lookups.
+  the per-example kernel gradients of that layer only, from the unfolded patches when they are
+  small, else one window offset at a time, their squared norms and batch sum reduced per offset
+  (``stats.reduced``: no ``B x`` kernel array kept); such a leaf's batch gradient is that sum
+  (the layer's own weight gradient is then dead code). All in ``vjpkit.stats`` (``Rows.conv``),
+  with dense weights and lookups.
 * a leaf used only outside the layers, not in a loop or branch (a class token, a temperature):
   given to the loss broadcast over the examples, its gradient in the same pass is per example.
 * affine norms (layers that note themselves as ``_kinds.AffineNorm``: ``nn.rms_norm``,
