@@ -236,9 +236,8 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
     batched: set[int] = set()  # ids of the layer equations some example-dependent value reaches
     _batched_calls(traced.closed.jaxpr, [k >= n_leaves for k in range(n_inputs)], batched, {})
     outside: dict[int, tuple[bool, str]] = {}
-    scanned: dict[int, dict[int, tuple[int, str]]] = {}
     tags = [(k, "") if k < n_leaves else None for k in range(n_inputs)]
-    _walk_uses(traced.closed.jaxpr, tags, None, outside, {}, scanned)
+    _walk_uses(traced.closed.jaxpr, tags, None, outside, {})
     calls = []
     plan = traced.plan
     for key in plan.order:
@@ -247,12 +246,14 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
         paths = jax.tree_util.tree_flatten_with_path(site.record.params)[0]
         entries, derived, order = {}, [], []
         origins, modes = list(site.origins), {}
-        if site.scans:  # inside lax.scan: the leaves given to the scans (as xs or consts)
-            origins = [None] * len(origins)
-            for k, (leaf, how) in scanned.get(id(site.eqn), {}).items():
-                if len(how) == len(site.scans) and k < len(origins):
-                    origins[k] = leaf
-                    modes[leaf] = "stacked" if how[0] == "s" else "const"
+        if site.scans:  # inside lax.scan: the leaves given to every scan alike (as xs or consts)
+            for k, o in enumerate(origins):
+                uniform = (
+                    isinstance(o, _engine.Scanned) and len(o.how) == len(site.scans) and len(set(o.how)) == 1
+                )
+                origins[k] = o.leaf if uniform else None
+                if uniform:
+                    modes[o.leaf] = "stacked" if o.how[0] == "s" else "const"
         for (path, aval), origin, flag in zip(paths, origins[n:], site.flags[n:]):
             origin = origin if origin is not None and origin < n_leaves else None
             local_name = _format.path(path)
@@ -307,14 +308,14 @@ _TRANSPARENT = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "c
                 "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}  # fmt: skip
 
 
-def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict, scanned: dict) -> list:
+def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict) -> list:
     """Records in ``out`` each params leaf that ``jaxpr`` uses other than as the params of a
     layer call: ``{leaf index: (in a loop or branch, the use)}``. ``tags``: per input, ``(leaf
     index, how)`` or None, where ``how`` has one letter per enclosing ``lax.scan`` the leaf was
-    given to, outermost first: ``"s"`` sliced (``xs``), ``"c"`` closed over (a const). A layer
-    call inside scans that takes a leaf as params given to every scan the same way is noted in
-    ``scanned``: ``{id(equation): {operand index: (leaf index, how)}}``. Returns the tag of each
-    output (values passed through unchanged), or None."""
+    given to, outermost first: ``"s"`` sliced (``xs``), ``"c"`` closed over (a const); a leaf
+    given to a layer call inside nested scans sliced by some and closed over by others is such a
+    use (the engine's plan tags the others, ``_engine.Scanned``). Returns the tag of each output
+    (values passed through unchanged), or None."""
     env = {v: t for v, t in zip(jaxpr.invars, tags) if t is not None}
 
     def read(a):
@@ -337,19 +338,17 @@ def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict
                     out.setdefault(
                         t[0], (False, f"given to layer {span.name!r} as an input, not as its params")
                     )
-                elif t is not None and t[1] and len(set(t[1])) == 1:
-                    scanned.setdefault(id(eqn), {})[k] = t
-                elif t is not None and t[1]:
+                elif t is not None and len(set(t[1])) > 1:
                     out.setdefault(
                         t[0], (True, "passed into nested 'scan's, sliced by some and closed over by others")
                     )
             if _has_calls(span.jaxpr.jaxpr, cache):  # a parent module: its own code may use them too
-                _walk_uses(span.jaxpr.jaxpr, ins, span.name, out, cache, scanned)
+                _walk_uses(span.jaxpr.jaxpr, ins, span.name, out, cache)
             continue
         sub = eqn.params.get(_TRANSPARENT.get(eqn.primitive.name, ""))
         sub = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
         if isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
-            for v, t in zip(eqn.outvars, _walk_uses(sub, ins, where, out, cache, scanned)):
+            for v, t in zip(eqn.outvars, _walk_uses(sub, ins, where, out, cache)):
                 if t is not None:
                     env[v] = t
             continue
@@ -363,7 +362,7 @@ def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict
                 )
             body = [(t[0], t[1] + ("c" if k < nc else "s")) if t is not None and k not in range(nc, nc + ncar)
                     else None for k, t in enumerate(ins)]  # fmt: skip
-            _walk_uses(eqn.params["jaxpr"].jaxpr, body, where, out, cache, scanned)
+            _walk_uses(eqn.params["jaxpr"].jaxpr, body, where, out, cache)
             continue
         if prim in ("scan", "while", "cond"):
             use = f"passed into a '{prim}' (a layer called in a loop or branch has no per-example record)"
