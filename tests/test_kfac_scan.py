@@ -128,3 +128,33 @@ def test_kfac_without_statistics_is_an_error_not_sgd():
     step = vk.train.make_step(loss, opt, capture=vk.curvature.stats("*", ["kflr"]))
     new, _ = step(state, (x, y))
     assert int(new.step) == 1
+
+
+def test_nested_scans_slice_outside_and_share_inside():
+    """A weight sliced by an outer scan and closed over by an inner one (``scans == "sc"``): one
+    block per outer slice, its factors summed over the inner iterations, as the unrolled model
+    with each slice shared by its inner steps."""
+    k = jax.random.split(jax.random.key(5), 2)
+    p = {"w": 0.5 * jax.random.normal(k[0], (2, D, D)), "out": 0.5 * jax.random.normal(k[1], (D, C))}
+
+    def nested(p, x, y):
+        def outer(h, w):
+            return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), h, None, length=3)[0], None
+
+        h, _ = jax.lax.scan(outer, x, p["w"])
+        return vk.curvature.softmax_cross_entropy(h @ p["out"], y)
+
+    def flat(q, x, y):
+        h = x
+        for i in range(2):
+            for _ in range(3):
+                h = jnp.tanh(h @ q[f"w{i}"])
+        return vk.curvature.softmax_cross_entropy(h @ q["out"], y)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, state, like = run(nested, p, 2, "inverse")
+        want, _, _ = run(flat, {"w0": p["w"][0], "w1": p["w"][1], "out": p["out"]}, 2, "inverse")
+    assert like["w"].layout.scans == "sc" and state.factors["w"].A.shape == (2, D, D)
+    for g, w in zip(got, want):
+        tree_allclose(g, {"w": jnp.stack([w["w0"], w["w1"]]), "out": w["out"]}, rtol=2e-4, atol=1e-6)
