@@ -232,7 +232,9 @@ def test_one_array_shared_by_two_layers():
 # --------------------------------------------------------------------------------- fallback
 
 
-def test_fallback_layers_warn_and_match():
+def test_layers_without_a_fast_path_take_their_own_vjp():
+    """A layer of no known kind (vjpkit's embedding, a custom ``nn.layer``): a vmap over the
+    examples of that layer's own vjp, with a warning naming it, never ``vmap(grad)`` of the loss."""
     model = nn.serial(emb=nn.embedding(10, 4), ln=nn.layer_norm(), fc=nn.dense(3))
     ids = jax.random.randint(jax.random.key(0), (5, 6), 0, 10)
     params = model.init(jax.random.key(1), ids)
@@ -240,11 +242,38 @@ def test_fallback_layers_warn_and_match():
     def loss(p, ids):
         return jnp.mean(jnp.sum(model.apply(p, ids) ** 2, axis=(1, 2)))
 
-    with pytest.warns(UserWarning, match=r"'emb'.*fall back to jax.vmap") as record:
+    with pytest.warns(
+        UserWarning, match=r"'emb' \(a layer of no known kind; params \['emb/weight'\]\)"
+    ) as record:
         _, _, norms = run(loss, params, ids)
+    messages = [str(w.message) for w in record]
+    assert not any("fall back" in m for m in messages)
     # the dense layer and the layer norm (an affine norm) keep their fast paths
-    assert "'fc'" not in str(record[0].message) and "'ln'" not in str(record[0].message)
+    assert not any("'fc'" in m or "'ln'" in m for m in messages)
     assert_norms_match(norms, loss, params, ids)
+
+
+def test_custom_layer_takes_its_own_vjp_jitted_and_under_scan(maybe_jit):
+    d = 4
+    mixer = nn.layer(
+        lambda p, x: x * p["gain"] + jnp.sin(x) @ p["mix"],
+        lambda key, x: {"gain": jnp.ones((d,)), "mix": 0.3 * jax.random.normal(key, (d, d))},
+        name="mixer",
+    )
+    x = jax.random.normal(jax.random.key(2), (5, 3, d))
+    one = mixer.init(jax.random.key(3), x)
+    params = {"head": one, "blocks": jax.tree.map(lambda a: jnp.stack([a, 0.5 * a]), one)}
+
+    def loss(p, x):
+        h, _ = jax.lax.scan(lambda h, q: (jnp.tanh(mixer.apply(q, h)), None), x, p["blocks"])
+        return jnp.mean(jnp.sum(mixer.apply(p["head"], h) ** 2, axis=(1, 2)))
+
+    with pytest.warns(UserWarning, match="no known kind") as record:
+        _, grads, norms = maybe_jit(pe.per_example_grad_norms(loss))(params, x)
+    assert not any("fall back" in str(w.message) for w in record)
+    owners = {f"{a}/{b}": "mixer" for a in ("blocks", "head") for b in ("gain", "mix")}  # one layer, 2 uses
+    assert_norms_match(norms, loss, params, x, owners=owners)
+    tree_allclose(grads, jax.grad(loss)(params, x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -76,7 +76,9 @@ Each parameter leaf gets its per-example gradient one of these ways:
 * "local" kinds (Flax ``Embed``/``LayerNorm``/``RMSNorm``, NNX ``Embed``/``LayerNorm``/
   ``RMSNorm``/``Conv``, Equinox ``Embedding``/``LayerNorm``/``RMSNorm``/``Conv2d``, also under
   nested ``vmap`` s): a vmap over the examples of the vjp of *that call's own computation* on one
-  example (the call as traced over a batch of one), so ``B * (its params)`` floats.
+  example (the call as traced over a batch of one), so ``B * (its params)`` floats. A layer of
+  no known kind (a custom ``nn.layer``, vjpkit's embedding) takes the same path when it takes
+  nothing but its params and inputs, with a warning naming it: ``vmap(grad)`` of that layer alone.
 * plain-JAX layers (found by dataflow, ``_engine._match``): ``x @ W (+ b)`` and channels-last
   convolutions of leaves as they are take the dense and conv paths, embeddings and norm affines
   the local one. A matched ``dot_general`` or ``conv_general_dilated`` of another form (feature
@@ -577,10 +579,16 @@ def _classify(call: _Call, view: _View, conv_cfg: dict) -> tuple[str | None, Any
             and view.d_axes[0] is not None and view.ds[0] is not None and _float(view.ds[0])
         )  # fmt: skip
         return ("lookup", kind.padding) if ok else (None, "no fast path: its record is not a lookup's")
+    if kind is None:  # a layer of no known kind: the local path if it can, else `no`
+        no = _custom(call, view, no)
     if "weight" not in roles or not roles <= {"weight", "bias"}:
         return no
     if pair is None or not _float(pair[0]):
-        return None, "no fast path: it needs one float input and one float output per example"
+        return (
+            no
+            if kind is None
+            else (None, "no fast path: it needs one float input and one float output per example")
+        )
     x, d = pair
     if kind is not None and kind.kind == "dense":
         return _classify_foreign_dense(call, x, d)
@@ -607,6 +615,15 @@ def _classify(call: _Call, view: _View, conv_cfg: dict) -> tuple[str | None, Any
         "no fast path: a conv-shaped weight, but the layer does not give its strides and padding "
         "(pass conv={name: (stride, padding)})"
     )
+
+
+def _custom(call: _Call, view: _View, no: tuple) -> tuple[str | None, Any]:
+    """A layer of no known kind (a custom ``nn.layer``): the local path, a vmap over the examples
+    of the vjp of its own computation (exact: the loss is vmapped over the examples, so each
+    call is one example's; ``B x`` its parameter floats, as ``vmap(grad)`` of that layer alone),
+    when it takes nothing but its params and inputs; else ``no``."""
+    local = _classify_local(call, view)
+    return ("local", "custom") if local[0] == "local" and not call.derived else no
 
 
 def _classify_local(call: _Call, view: _View) -> tuple[str | None, Any]:
@@ -897,6 +914,8 @@ def analyze(
             c.foreign is not None and c.foreign.kind in ("local", "dense", "lookup")
         ):
             return True
+        if c.kind is None and c.foreign is None and not c.derived and None not in c.order:
+            return not c.layout.n_hoisted  # a layer of no known kind: its own vjp (_custom)
         return "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
 
     names = sorted({c.name for c in calls if _could_be_fast(c)})
@@ -969,8 +988,9 @@ def analyze(
         shape = tuple(grad_leaves[i].shape)
         for x_use in u:
             c = calls_by_key[x_use.key]
-            if kind == "local" and c.foreign.note:
-                noted.setdefault(c.key, (c.foreign.note, []))[1].append(paths[i])
+            note = "layer of no known kind" if x_use.conv == "custom" else c.foreign and c.foreign.note
+            if kind == "local" and note:
+                noted.setdefault(c.key, (note, []))[1].append(paths[i])
         modes = {calls_by_key[x.key].modes.get(i) for x in u}
         sliced_too = any("stacked" in calls_by_key[x.key].modes.values() for x in u)
         if "stacked" not in modes and sliced_too and kind in ("local", "norm"):
@@ -1155,11 +1175,11 @@ def _warn_fallback(fallback: dict[int, str], paths, owners, who) -> None:
 
 
 def _warn_local(noted: dict[str, tuple[str, list[str]]], who: str) -> None:
-    """Plain-JAX layers found but with no dense/conv fast path: the equation, the parameter
-    paths, and the path taken instead."""
+    """Layers with no dense/conv fast path (plain-JAX layers of another form, custom layers):
+    the equation or why, the parameter paths, and the path taken instead."""
     parts = [f"{key!r} (a {note}; params {leaf_paths})" for key, (note, leaf_paths) in noted.items()]
     warnings.warn(
-        f"{who}: no dense or conv fast path for the plain-JAX layer(s) {'; '.join(parts)}: the "
+        f"{who}: no dense or conv fast path for the layer(s) {'; '.join(parts)}: the "
         "per-example gradients of those parameters are taken by a vmapped vjp of that layer's own "
         "computation over the examples (exact, but it forms batch x the layer's parameter size "
         "floats, as jax.vmap(jax.grad) would for them).",
