@@ -813,13 +813,15 @@ def test_per_example_dp_clip_with_norms_and_attention():
     tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_per_example_recurrent_and_train_batch_norm_fall_back():
-    """The GRU (inside lax.scan) has no fast path: it falls back, with a warning, and is exact."""
+def test_per_example_recurrent_takes_its_own_vjp():
+    """The GRU (a lax.scan inside the layer) has no dense fast path: its per-example gradients
+    are a vmap of its own vjp over the examples, with a warning naming it, and exact."""
     model = nn.serial(enc=nn.rnn(nn.gru(4), 4), head=nn.dense(3))
     x = _normal(6, (4, 3, 2))
     params, y, loss = _per_example_setup(model, x, seed=7)
-    with pytest.warns(UserWarning, match=r"'enc' \(no fast path"):
+    with pytest.warns(UserWarning, match=r"'enc' \(a layer of no known kind") as record:
         _, _, norms = jax.jit(per_example_grad_norms(loss))(params, x, y)
+    assert not any("fall back" in str(w.message) for w in record)
     assert_norms_match(norms, loss, params, x, y)
 
 
