@@ -33,6 +33,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from .. import _compat
+from ._run import Runner
 
 _SKIP = ("vjpkit_layer", "vjpkit_matched")  # sites keep their own programs
 _CMP = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
@@ -42,7 +43,7 @@ _CMP = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_e
 def hoist(closed: Any) -> Any:
     """``closed`` with counter-indexed slices of scan consts given as ``xs`` (see the contract)."""
     # an eager trace closes over the index arithmetic it computed: concrete scalars, known here
-    known = {v: _scalar(c) for v, c in zip(closed.jaxpr.constvars, closed.consts) if _scalar(c) is not None}
+    known = {v: x for v, c in zip(closed.jaxpr.constvars, closed.consts) if (x := _scalar(c)) is not None}
     new = _program(closed.jaxpr, known)
     return closed if new is closed.jaxpr else _compat.closed_jaxpr(new, closed.consts)
 
@@ -127,9 +128,7 @@ def _values(body: Any, counters: dict, length: int, known: dict) -> dict:
     val: dict[Any, Any] = {**known, **{v: (v, 0) for v in counters}}
 
     def read(a):
-        if isinstance(a, jcore.Literal):
-            return np.asarray(a.val).item() if np.ndim(a.val) == 0 else None
-        return val.get(a)
+        return _scalar(a) if isinstance(a, jcore.Literal) else val.get(a)
 
     def span(x):  # a counter value's (lowest, highest) over the iterations
         return counters[x[0]] + x[1], counters[x[0]] + x[1] + length - 1
@@ -233,9 +232,7 @@ def _eval(jaxpr: Any, consts: Sequence, args: Sequence, rows: dict) -> list:
     for e in jaxpr.eqns:
         if e.outvars and all(v in rows for v in e.outvars):
             continue
-        with e.ctx.manager:
-            out = e.primitive.bind(*[read(a) for a in e.invars], **e.primitive.get_bind_params(e.params))
-        for v, x in zip(e.outvars, out if e.primitive.multiple_results else [out]):
+        for v, x in zip(e.outvars, Runner.bind(e, [read(a) for a in e.invars])):
             if not isinstance(v, jcore.DropVar):
                 env[v] = x
     return [read(v) for v in jaxpr.outvars]

@@ -284,8 +284,8 @@ def _masked_per_example(site: Any) -> Callable | None:
     return linearize
 
 
-def _flat(tree: Any) -> dict[str, Any]:
-    return {_format.path(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+def _flat(tree: Any, is_leaf: Any = None) -> dict[str, Any]:
+    return {_format.path(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf)[0]}
 
 
 def _rekey(stats: Any, params: Any) -> Any:
@@ -376,10 +376,7 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     if weight is None:
         raise ConfigError(f"{transform}: vk.curvature.stats: {where} has no weight among {sorted(params)}.")
     _, (origins, _, _) = site.layout.split(site.origins)
-    leafy = lambda o: o is None or isinstance(o, _engine.Scanned)
-    origin = {
-        _format.path(kp): o for kp, o in jax.tree_util.tree_flatten_with_path(origins, is_leaf=leafy)[0]
-    }
+    origin = _flat(origins, lambda o: o is None or isinstance(o, _engine.Scanned))
     w_at, b_at = origin.get(weight), origin.get(bias) if bias else None
     scans = w_at.how if isinstance(w_at, _engine.Scanned) else ""
 

@@ -89,10 +89,11 @@ Each parameter leaf gets its per-example gradient one of these ways:
   examples: given to the loss broadcast and vmapped like the batch, so its calls become
   per-example calls and its gradient is the ``g_i``, in the same single pass (``B * (its size)``
   floats).
-* anything else (``nn.embedding``, ``nn.layer_norm``, custom layers, leaves used outside
-  the layers' params, a leaf used both per example and by an example-independent call) falls
-  back to ``jax.vmap(jax.grad)`` of ``l_i`` with respect to those leaves only, with a
-  ``UserWarning`` naming each layer, its leaves and why. Exact, never silent.
+* anything else (a layer that closes over other values or whose params are computed in the
+  loss, leaves used outside the layers' params, a leaf used both per example and by an
+  example-independent call) falls back to ``jax.vmap(jax.grad)`` of ``l_i`` with respect to
+  those leaves only, with a ``UserWarning`` naming each layer, its leaves and why. Exact, never
+  silent.
 * a layer that mixes the examples of its input (batch statistics: ``nn.batch_norm`` with
   ``train=True``, Flax/NNX/Equinox ``BatchNorm`` in training mode) breaks the contract: its
   per-example gradients are not defined, and the call raises a ``ConfigError`` naming it.
@@ -623,7 +624,7 @@ def _custom(call: _Call, view: _View, no: tuple) -> tuple[str | None, Any]:
     call is one example's; ``B x`` its parameter floats, as ``vmap(grad)`` of that layer alone),
     when it takes nothing but its params and inputs; else ``no``."""
     local = _classify_local(call, view)
-    return ("local", "custom") if local[0] == "local" and not call.derived else no
+    return ("local", "custom") if local[0] == "local" else no  # a derived param is None in order
 
 
 def _classify_local(call: _Call, view: _View) -> tuple[str | None, Any]:
@@ -914,7 +915,7 @@ def analyze(
             c.foreign is not None and c.foreign.kind in ("local", "dense", "lookup")
         ):
             return True
-        if c.kind is None and c.foreign is None and not c.derived and None not in c.order:
+        if c.kind is None and c.foreign is None and None not in c.order:  # no derived params
             return not c.layout.n_hoisted  # a layer of no known kind: its own vjp (_custom)
         return "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
 
@@ -1023,7 +1024,7 @@ def analyze(
     _report_failed_checks(leaves, paths, owners, who)
     # A leaf whose g_i are formed anyway (a conv's long rows): its batch gradient is their sum,
     # so the backward pass's own weight gradient of that layer is dead code (XLA drops it)
-    flat = jax.tree.leaves(grads)
+    flat = list(grad_leaves)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, _Factored) and leaf.ok is None and (done := leaf.reduced()) is not None:
             flat[i] = (done[1] / jnp.float32(scale)).astype(flat[i].dtype)

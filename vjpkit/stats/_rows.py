@@ -286,8 +286,8 @@ def reduced(rows: Sequence[Rows]) -> tuple[jax.Array, jax.Array] | None:
     and the batch gradient is better taken from the backward pass). A caller that needs the
     batch gradient too takes this sum instead of computing it again."""
     rows = list(rows)
-    if len(rows) == 1 and isinstance(rows[0], Conv) and not rows[0].ghost:
-        return rows[0].reduced()
+    if len(rows) == 1 and isinstance(rows[0], Conv):  # decided by its shapes: no patches made here
+        return None if rows[0].ghost else rows[0].reduced()
     expanded = _expand(rows)
     oriented = _oriented(expanded)
     if oriented is not None and (
@@ -298,11 +298,14 @@ def reduced(rows: Sequence[Rows]) -> tuple[jax.Array, jax.Array] | None:
     return jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1), jnp.sum(g, axis=0)
 
 
-def sq_norms(rows: Sequence[Rows], done: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+_UNSET: Any = object()
+
+
+def sq_norms(rows: Sequence[Rows], done: Any = _UNSET) -> jax.Array:
     """``||g_i||^2`` of the leaf, ``(B,)`` (see the module contract); ``done``: ``reduced(rows)``
-    when the caller has it already."""
+    when the caller has it already (``None`` included: it is not computed again)."""
     rows = list(rows)
-    done = reduced(rows) if done is None else done
+    done = reduced(rows) if done is _UNSET else done
     if done is not None:
         return done[0]
     oriented = _oriented(_expand(rows))

@@ -124,9 +124,7 @@ def build_step(
     captures = capture is not None
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        if not curvature and any(
-            isinstance(s, KfacState) for s in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac)
-        ):
+        if not curvature and any(_is_kfac(s) for s in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac)):
             raise ConfigError(
                 "make_step: the optimizer holds vk.curvature.kfac, which preconditions with the "
                 "statistics a vk.curvature.stats capture gives each step, but capture= has none: "
