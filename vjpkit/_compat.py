@@ -36,7 +36,11 @@ shard_map, callbacks, effects and the ``jax.extend`` API:
 * **callbacks**: ``mlir.emit_python_callback``'s keywords and ``_callback_op_sharding``'s
   signature are unchanged from 0.10.1 to 0.12; both are probed, and a JAX without them loses
   only the single-device placement of host callbacks under SPMD.
-* **shard_map, effects**: no change vjpkit depends on (``jax.shard_map`` is public since 0.7).
+* **shard_map** (jax 0.11.0): the equation's ``manual_axes`` parameter became
+  ``newly_manual_axes``; ``manual_axes`` below reads either. ``mesh``, ``in_specs``,
+  ``out_specs``, ``check_vma`` and ``jaxpr`` (an open program) are unchanged, and vjpkit re-binds
+  a shard_map only through the public ``jax.shard_map`` (``_engine/_rules.py``).
+* **effects**: no change vjpkit depends on.
 """
 
 from __future__ import annotations
@@ -63,6 +67,15 @@ def scan_split(params: dict) -> tuple[int, int]:
         consts, carry, _ = params["ft_in"].unpack()
         return len(consts), len(carry)
     return params["num_consts"], params["num_carry"]
+
+
+def manual_axes(params: dict) -> tuple:
+    """The mesh axes a ``shard_map`` equation makes manual, in the mesh's order.
+
+    jax <= 0.10: ``manual_axes``; jax >= 0.11: ``newly_manual_axes``.
+    """
+    axes = params["newly_manual_axes"] if "newly_manual_axes" in params else params["manual_axes"]
+    return tuple(a for a in params["mesh"].axis_names if a in axes)
 
 
 def closed_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:

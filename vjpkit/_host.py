@@ -168,8 +168,10 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
     Args:
         payload: per layer call, ``(records, ran)``: one record per host hook of the call (leaves
             stacked over its enclosing scans) and the per-iteration "the backward pass ran" flags.
-        order: per group of calls that share their enclosing scans, ``(scan lengths, [hooks of
-            each call])``, in backward order; ``payload`` lists the same calls in the same order.
+        order: per group of calls that share their enclosing scans and shard_maps, ``(their
+            sizes, which are shard_maps, [hooks of each call])``, in backward order; ``payload``
+            lists the same calls in the same order. A hook gets one record per scan iteration,
+            with the shards of the enclosing shard_maps on its leading axes (as capture).
         due: ``{hook: traced bool}`` for hooks whose ``every`` is decided in the graph; the
             others count backward passes on the host.
         after: a token this transfer must follow.
@@ -178,7 +180,7 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
         The transfer's token.
     """
     gated = list(due)
-    hooks_all = list({h: None for _, per_call in order for hooks in per_call for h in hooks})
+    hooks_all = list({h: None for *_, per_call in order for hooks in per_call for h in hooks})
     counted = any(h.every > 1 for h in hooks_all if h not in due)  # every counted on the host
     position = _position() if counted else None
 
@@ -186,14 +188,16 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
         calls, flags = iter(tree[0]), dict(zip(gated, tree[1]))
         where = _where(tree[2]) if counted else ()
         passes = {h: bool(flags[h]) if h in flags else h._count_pass(where) for h in hooks_all}
-        for lengths, hooks_per_call in order:
+        for lengths, sharded, hooks_per_call in order:
             group = [(hooks, next(calls)) for hooks in hooks_per_call]
-            for index in reversed(list(np.ndindex(*lengths))):  # last iteration first
+            loops = [1 if s else n for n, s in zip(lengths, sharded)]
+            for index in reversed(list(np.ndindex(*loops))):  # last iteration first
+                at = tuple(slice(None) if s else i for i, s in zip(index, sharded))  # every shard
                 for hooks, (records, ran) in group:
-                    if ran[index] > 0:
+                    if np.any(ran[at] > 0):
                         for hook, rec in zip(hooks, records):
                             if passes[hook]:
-                                hook._deliver(jax.tree.map(lambda a, i=index: a[i], rec) if index else rec)
+                                hook._deliver(jax.tree.map(lambda a, i=at: a[i], rec) if at else rec)
 
     flags = [jnp.asarray(due[h], jnp.float32) for h in gated]  # float32 like the records: one buffer
     # when every hook skips steps, nothing at all crosses to the host on a step where none is due

@@ -76,6 +76,14 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
 
+def unvary(x: Any, like: Any) -> Any:
+    """``x`` typed as ``like`` (a value or aval) varies: the mean over the shard_map axes ``x``
+    varies over and ``like`` does not. A hook that rewrites a replicated parameter's gradient
+    (the same in every shard) differently per shard gives the mean of the shards' versions."""
+    extra = tuple(sorted(varying_axes(x) - varying_axes(like)))
+    return jax.lax.pmean(x, extra) if extra else x
+
+
 def vary(x: Any, axes: Any) -> Any:
     """``x`` typed as varying over the shard_map ``axes`` as well (its value unchanged)."""
     missing = tuple(sorted(set(axes) - varying_axes(x)))

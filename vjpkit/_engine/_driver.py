@@ -117,14 +117,28 @@ def trace(
     # values of its other arguments (int(y.max())).
     eager = not is_traced((args, kwargs))
 
-    def marked(*leaves):
+    def marked(*leaves, eager=eager):
         with _context.activate(_context.LAYERS):
             if eager:
                 with jax.ensure_compile_time_eval():
                     return flat(*leaves)
             return flat(*leaves)
 
-    closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
+    try:
+        closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
+    except Exception:
+        if not eager:
+            raise
+        # Some programs cannot be evaluated at trace time (JAX inserts a pvary into the
+        # constants of a jax.shard_map body): traced as under jit, as jax.grad would be.
+        try:
+            closed, shape = jax.make_jaxpr(functools.partial(marked, eager=False), return_shape=True)(*leaves)
+        except Exception:
+            pass
+        else:
+            eager = False
+        if eager:
+            raise
     closed = _fori.hoist(closed)  # fori_loop's W[i] as the scan's xs, as lax.scan(body, x, W)
     other: list = []
     if config.match:
@@ -169,7 +183,7 @@ def linearize(traced: Traced, hook_state: Any = None, log: list | None = None):
     runner = Runner(plan, handler, compile_calls=log is None)
     probes0 = _slots.probes(plan)
     states0 = _slots.layer_states(plan, hook_state)
-    carriers = {s.carrier: jnp.zeros((), jnp.float32) for s in plan.active() if s.carrier}
+    carriers = {s.carrier: jnp.zeros(s.shards, jnp.float32) for s in plan.active() if s.carrier}
     if traced.vma:  # per-shard records: each shard's probe varies, so its cotangent is not summed
         probes0 = jax.tree.map(lambda z: vary(z, traced.vma), probes0)
         carriers = {k: vary(v, traced.vma) for k, v in carriers.items()}
@@ -219,11 +233,12 @@ def _forward_values(traced: Traced) -> Callable[[Site], Any]:
         closed = jax.make_jaxpr(init)(site.record.params)
         if not _depends(closed.jaxpr):
             return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), site.record.params)
-        if site.scans or site.in_cond:
+        if site.stack or site.in_cond:
             raise ConfigError(
                 f"{traced.plan.config.transform}: the init of the hooks on layer {site.key!r} reads its "
-                "params' values, but the layer runs inside lax.scan or lax.cond, where its params "
-                "differ per iteration or branch. Make init depend on shapes only (jnp.zeros_like)."
+                "params' values, but the layer runs inside lax.scan, jax.shard_map or lax.cond, where "
+                "its params differ per iteration, shard or branch. Make init depend on shapes only "
+                "(jnp.zeros_like)."
             )
         if not cache:
             _collect(traced, cache)

@@ -30,7 +30,8 @@ module is named by the module (``{"fc": {"w": W}}``: ``fc`` with params ``{"w"}`
 (``fc/w`` and ``fc/v`` used apart, ``layers/0`` and ``layers/1``): then it keeps the leaf's path.
 Walked into ``lax.scan``
 (a stacked leaf passed as ``xs`` is a plain parameter per iteration), ``lax.cond`` branches,
-inner ``jax.jit`` and ``jax.checkpoint`` bodies; explicit layer calls (``vjpkit_layer``) are
+inner ``jax.jit``, ``jax.checkpoint`` and ``jax.shard_map`` bodies (a leaf replicated into a
+shard_map, ``in_specs`` ``P()``, is the leaf in every shard; one split over the shards is a copy); explicit layer calls (``vjpkit_layer``) are
 left to their source. A leaf enters a nested program as a leaf only as it is (a scan's carry
 only when the body returns it unchanged): a parameter computation made outside the nested
 program (``W.T``, a cast, ``W[i]``, LoRA's sum) or changed in a carry is a *copy* there, never a
@@ -90,7 +91,7 @@ _TRANSPARENT = frozenset(
 _LAYERS = frozenset({"dot_general", "conv_general_dilated", "gather"})
 _AFFINE = frozenset({"mul", "add"})
 _BIASED = frozenset({"dot_general", "conv_general_dilated", "mul"})  # a bias add joins these
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr"}
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr", "shard_map": "jaxpr"}
 _CALL_NAMES = {"pjit": "jit", "remat2": "checkpoint"}  # as an other use's ``where`` says them
 # (id(program), classes, leaf paths, where) -> (program, rewritten, out classes, other uses)
 _CALL_CACHE: dict = {}
@@ -186,6 +187,8 @@ class _Matcher:
             # leaf's path. Its uses there with data are other uses; its uses here, as the nested
             # equation's outputs, are matched here (a span holds the nested equation whole)
             ins = [c if _is_lit(a) or a in leaves else _copy(c) for a, c in zip(eqn.invars, ins)]
+        if name == "shard_map":  # a leaf split over the shards is a slice of it in each: a copy
+            ins = [_copy(c) if any(spec) else c for c, spec in zip(ins, eqn.params["in_specs"])]
         if name == "scan":
             return self.scan(eqn, ins, where, rewrite, [not _is_lit(a) and a in leaves for a in eqn.invars])
         if name == "cond":
@@ -222,7 +225,7 @@ class _Matcher:
                 self.other_use_exact(use)
             self.named += named
         else:
-            closed = isinstance(inner, jcore.ClosedJaxpr)
+            closed = isinstance(inner, jcore.ClosedJaxpr) and eqn.primitive.name != "shard_map"
             jaxpr = inner.jaxpr if closed else inner
             before, named_before = len(self.other), len(self.named)
             new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), here, rewrite)

@@ -58,8 +58,11 @@ class Site:
             unchanged), a ``Scanned`` under ``lax.scan`` (the input given to the enclosing
             scans, sliced or closed over by each), or ``None`` (computed, constant, carried,
             or inside a ``cond`` branch).
-        scans: lengths of the enclosing ``lax.scan`` s, outermost first; loops: their paths.
+        scans: lengths of the enclosing ``lax.scan`` s, outermost first.
         in_cond: inside a ``lax.cond`` branch.
+        stack: the sizes of the enclosing scans (lengths) and ``jax.shard_map`` s (shards),
+            outermost first: the leading axes of the call's probes and records; sharded: per
+            entry, whether it is a shard_map; loops: their paths.
         record: the record's fields as ``ShapeDtypeStruct`` trees (unstacked).
         state: the hook state's ``ShapeDtypeStruct`` tree, or ``None`` when stateless.
         slot: the probe's carried ``ShapeDtypeStruct`` tree (the handlers' parts), or ``None``.
@@ -82,6 +85,13 @@ class Site:
     record: Cotangents
     state: Any
     slot: Any
+    stack: tuple = ()
+    sharded: tuple = ()
+
+    @property
+    def shards(self) -> tuple:
+        """The shards of the enclosing ``jax.shard_map`` s, outermost first (their state axes)."""
+        return tuple(n for n, s in zip(self.stack, self.sharded) if s)
 
     @property
     def active(self) -> bool:
@@ -176,20 +186,11 @@ class Plan:
         if not names:
             return
         self.unreached += names
-        prim = eqn.primitive.name
-        if prim == "shard_map":
-            why = (
-                "a jax.shard_map inside the differentiated function, which vjpkit does not rewrite: "
-                "they run as plain JAX and make no record. Call the vjpkit transform inside the "
-                "shard_map body instead: records are then per shard."
-            )
-        else:
-            why = (
-                "a custom_jvp/custom_vjp function or a while loop, which vjpkit does not rewrite: "
-                "they run as plain JAX and make no record. Call them outside it to hook them."
-            )
         warnings.warn(
-            f"vjpkit: layer call(s) {sorted(set(names))} run inside a '{prim}' ({why})", stacklevel=2
+            f"vjpkit: layer call(s) {sorted(set(names))} run inside a '{eqn.primitive.name}' (a "
+            "custom_jvp/custom_vjp function or a while loop, which vjpkit does not rewrite: they "
+            "run as plain JAX and make no record. Call them outside it to hook them.)",
+            stacklevel=2,
         )
 
     def site(self, eqn, ins, at: At) -> list[bool]:
@@ -209,11 +210,15 @@ class Plan:
         host = tuple(h for h in hooks if getattr(h, "deferred", False))
         state = self.handlers.state(hooks, record, key)
         slot = self.handlers.slot(record, spec, host)
-        lengths, loops = tuple(n for _, n in at.scans), tuple(q for q, _ in at.scans)
+        stack, sharded = tuple(n for _, n, _ in at.stack), tuple(s for _, _, s in at.stack)
+        if state is not None and any(sharded):  # each shard keeps its own state
+            shards = tuple(n for n, s in zip(stack, sharded) if s)
+            state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((*shards, *a.shape), a.dtype), state)
+        lengths, loops = tuple(n for _, n in at.scans), tuple(q for q, _, _ in at.stack)
         p = at.path
         site = Site(
             key, name, call, p, span, eqn, hooks, spec, host, tuple(ins), tuple(orig), lengths, loops,
-            at.in_cond, record, state, slot
+            at.in_cond, record, state, slot, stack, sharded
         )  # fmt: skip
         if key in self.by_key:  # the same call in another branch of a lax.cond
             other = self.by_key[key]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from .._records import Cotangents
-from .._trees import Static, merge, select, unwrap, vary, varying_axes
+from .._trees import Static, merge, select, unvary, unwrap, vary, varying_axes
 from . import _site
 
 
@@ -132,7 +132,8 @@ def hooked(
         if parts and site.slot is not None:  # typed like the probe (a per-shard probe varies in shard_map)
             leaves, tree = jax.tree.flatten(parts)
             probe_ct = jax.tree.unflatten(tree, [vary(c, a) for c, a in zip(leaves, probe_axes.value)])
-        out_grads = [s if m else None for s, m in zip(shown, mask)]
+        # a per-shard rewrite (a hook with per-shard state) of a replicated operand's gradient
+        out_grads = [unvary(s, a) if m and s is not None else None for s, m, a in zip(shown, mask, in_avals)]
         return out_grads, probe_ct, (new_state, g_live), g_npr, g_nst_in
 
     rule.defvjp(fwd, bwd, symbolic_zeros=True)

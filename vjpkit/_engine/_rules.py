@@ -17,21 +17,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from .. import _compat
 from ._site import registered
 
 
 class At(NamedTuple):
-    """Where the planner is: the equation's path, enclosing scans, inside a cond, registering."""
+    """Where the planner is: the equation's path, enclosing scans and shard_maps, inside a cond,
+    registering."""
 
     path: tuple
     scans: tuple = ()  # ((path, length), ...) of the enclosing lax.scan s, outermost first
+    # ((path, size, is a shard_map), ...): every enclosing scan (size: its length) and shard_map
+    # (size: its shards), outermost first; a call's probes and records are stacked over them
+    stack: tuple = ()
     in_cond: bool = False
     register: bool = True
 
@@ -108,7 +114,8 @@ def _plan_scan(planner, eqn, ins, at):
         if new == carry:
             break
         carry = new
-    inner = at._replace(scans=(*at.scans, (at.path, eqn.params["length"])))
+    n = eqn.params["length"]
+    inner = at._replace(scans=(*at.scans, (at.path, n)), stack=(*at.stack, (at.path, n, False)))
     # the leaves given as consts or xs, tagged so (Scanned)
     tagged = [scanned(o, "c") for o in orig[:nc]] + [None] * ncar
     tagged += [scanned(o, "s") for o in orig[nc + ncar :]]
@@ -206,6 +213,47 @@ def _eval_remat(runner, eqn, invals, p, probes, states):
     return outs, {**states, **st}
 
 
+# --- jax.shard_map: re-mapped, the calls' probes and states stacked over the shards ---------------
+
+
+def shards(params: dict) -> tuple[tuple, int]:
+    """``(manual axes, number of shards)`` of a ``shard_map`` equation's parameters."""
+    axes = _compat.manual_axes(params)
+    return axes, math.prod(params["mesh"].shape[a] for a in axes)
+
+
+def _plan_shard_map(planner, eqn, ins, at):
+    """Each shard runs the body on its part: a call inside has one record per shard (the
+    program inputs it sees are per-shard views, so it has no origins)."""
+    inner = at._replace(stack=(*at.stack, (at.path, shards(eqn.params)[1], True)))
+    return planner.walk(eqn.params["jaxpr"], ins, inner)
+
+
+def _eval_shard_map(runner, eqn, invals, p, probes, states):
+    """Re-mapped with the calls' probes and states as extra operands split over the manual
+    axes on their leading (shard) axis, so each shard writes its own records."""
+    params = eqn.params
+    axes, _ = shards(params)
+    pr, st = runner.mine(p, probes, states)
+    split = P(axes)
+
+    def body(ops, pr, st):
+        pr, st = jax.tree.map(lambda a: a[0], (pr, st))
+        outs, st = runner.eval(params["jaxpr"], (), ops, p, pr, st)
+        return outs, jax.tree.map(lambda a: a[None], st)
+
+    mapped = jax.shard_map(
+        body,
+        mesh=params["mesh"],
+        in_specs=(list(params["in_specs"]), jax.tree.map(lambda _: split, pr), jax.tree.map(lambda _: split, st)),
+        out_specs=(list(params["out_specs"]), jax.tree.map(lambda _: split, st)),
+        axis_names=frozenset(axes),
+        check_vma=params["check_vma"],
+    )
+    outs, st = mapped(list(invals), pr, st)
+    return outs, {**states, **st}
+
+
 # --- programs the engine does not rewrite: their layer calls run plain, with a warning ---------------
 
 
@@ -225,6 +273,7 @@ RULES: dict[str, Rule] = {
     "custom_vjp_call": OPAQUE,
     "custom_vjp_call_jaxpr": OPAQUE,
     "while": OPAQUE,
+    "shard_map": Rule(_plan_shard_map, _eval_shard_map),
 }
 
 

@@ -2,14 +2,16 @@
 
 Contract: an active layer call with a capture spec owns a *slot*: a zero "probe" operand whose
 cotangent the rule sets to ``{"captured": record, "ran": 1}``. Slot shapes come from the
-plan (the program's types), never from a second trace. A call inside ``lax.scan`` has its
-probe stacked on a leading axis per enclosing scan, so its records come back one per
-iteration. Integer and boolean leaves travel exactly, as 16-bit chunks in float32; a record
+plan (the program's types), never from a second trace. A call inside ``lax.scan`` or
+``jax.shard_map`` has its probe stacked on a leading axis per enclosing scan (its length) or
+shard_map (its shards), outermost first, so its records come back one per iteration and shard. Integer and boolean leaves travel exactly, as 16-bit chunks in float32; a record
 of a ``lax.cond`` branch not taken comes back as NaN (integers: 0), never as plausible zeros.
 
 The hook state threaded by ``hook_state=`` is a ``HookState`` (``_hook_base``): ``layers`` maps
 call keys to the states of their stateful hooks, ``host`` holds the step counters of host
 deliveries with ``every > 1``. This module checks it, threads it and advances the counters.
+Inside ``jax.shard_map`` each shard keeps its own state: a call's state is stacked on a leading
+axis per enclosing shard_map (``Site.shards``), each shard starting from the same ``init``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ THREADING = (
 
 def _stacked(site: Any) -> Any:
     carried = {k: site.slot[k] for k in ("captured", "host", "ran", "seen")}
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*site.scans, *a.shape), a.dtype), carried)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*site.stack, *a.shape), a.dtype), carried)
 
 
 def probes(plan: Any) -> dict:
@@ -57,7 +59,7 @@ def read_captured(plan: Any, probe_grads: dict) -> dict:
         if key not in probe_grads or site.spec is None:
             continue
         g = probe_grads[key]
-        lead = len(site.scans)
+        lead = len(site.stack)
         rec = jax.tree.map(
             lambda c, dt, lead=lead: decode(c, dt, lead),
             g["captured"],
@@ -101,12 +103,12 @@ def send_host(plan: Any, probe_grads: dict, hook_state: Any) -> tuple[dict, jax.
         entries = []
         for site in sites:
             g = probe_grads[site.key]
-            lead = len(site.scans)
+            lead = len(site.stack)
             recs = [jax.tree.map(lambda c, dt, lead=lead: decode(c, dt, lead), r, site.slot["host_dtypes"])
                     for r in g["host"]]  # fmt: skip
             payload.append((recs, g["ran"]))
             entries.append(site.host)
-        order.append((sites[0].scans, entries))
+        order.append((sites[0].stack, sites[0].sharded, entries))
     due = {}
     if state is not None:
         for key, hook in gated_hooks(plan.config).items():
@@ -239,6 +241,7 @@ def init_states(plan: Any, collect: Callable[[Any], Any]) -> HookState:
     for s in plan.active():
         if s.state is None:
             continue
-        layers[s.key] = _hooks.init_state(s.hooks, collect(s))
-        _hooks.check_float_state(layers[s.key], s.key)
+        state = _hooks.init_state(s.hooks, collect(s))
+        _hooks.check_float_state(state, s.key)
+        layers[s.key] = jax.tree.map(lambda a, s=s: jnp.broadcast_to(a, (*s.shards, *jnp.shape(a))), state)
     return HookState(layers, host_counters(plan.config))
