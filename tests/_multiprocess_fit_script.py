@@ -8,7 +8,8 @@ Scenarios:
 - ``kill`` (run first): the checkpointed run in ``DIR/killed<P>``, whose process ``P - 1`` kills
   itself (SIGKILL) when it reads batch ``DIE_AT``: the launch fails.
 - ``all``: plain training with unreduced records, norms, ``on_host`` hooks (``every=1`` and
-  ``every=2``) and ``on_metrics``; curvature statistics. With several processes also:
+  ``every=2``) and ``on_metrics``; curvature statistics; the model run inside a ``jax.shard_map``
+  of the loss, its records captured (one per shard). With several processes also:
   process-local data (an iterable of local batches, and local arrays against the global
   batches they make), two mismatched local datasets, an uninterrupted checkpointed run, the
   killed run rerun (it resumes), then rerun after process 0 flipped a bit in the newest
@@ -58,6 +59,19 @@ def loss_fn(params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(model.apply(params, x), y).mean()
 
 
+def mapped_loss(params, batch):
+    """``loss_fn`` as the mean of each shard's own loss, the model run inside a shard_map."""
+
+    def body(p, x, y):
+        return jax.lax.pmean(loss_fn(p, (x, y)), "data")
+
+    spec = jax.sharding.PartitionSpec
+    mapped = jax.shard_map(
+        body, mesh=data_mesh(), in_specs=(spec(), spec("data"), spec("data")), out_specs=spec()
+    )
+    return mapped(params, *batch)
+
+
 def curvature_loss(params, batch):
     x, y = batch
     return vk.curvature.softmax_cross_entropy(model.apply(params, x), y)
@@ -71,10 +85,10 @@ def flat(tree) -> dict:
     }
 
 
-def fit(data, **kwargs):
+def fit(data, loss=loss_fn, **kwargs):
     kwargs.setdefault("batch_size", BATCH if isinstance(data, tuple) else None)
     kwargs.setdefault("steps", STEPS)
-    return vk.train.fit(loss_fn, OPT, PARAMS, data, mesh=data_mesh(), seed=SEED, progress=False, **kwargs)
+    return vk.train.fit(loss, OPT, PARAMS, data, mesh=data_mesh(), seed=SEED, progress=False, **kwargs)
 
 
 def global_batches(steps: int, die_at: int | None = None):
@@ -126,7 +140,18 @@ def train() -> dict:
     for t in range(2):
         by_hand, m = step(by_hand, vk.train.shard_batch(drawn.batch(t), mesh))
         step_losses.append(float(m["loss"]))
+    # layer calls inside a shard_map of the loss: one record per shard, delivered to process 0
+    mapped_records: list = []
+    _, mapped_history = fit(
+        (X, Y),
+        loss=mapped_loss,
+        steps=2,
+        capture=vk.capture("fc*", fields=["input", "grad_output", "grad_params"]),
+        on_records=lambda step, rec: mapped_records.append([step, flat(rec)]),
+    )
+    jax.effects_barrier()
     return {
+        "shard_map": {"losses": mapped_history["loss"], "records": mapped_records},
         "make_step": step_losses,
         "params": flat(state.params),
         "losses": history["loss"],

@@ -58,3 +58,14 @@ def run_with_devices(script: pathlib.Path, devices: int, *args: str) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
+
+
+def assert_small(diffs, where: str, tol: float) -> None:
+    """Every difference in a (nested) dict of them, as a subprocess script reports them (a
+    float, or a string saying why there is none), is a number within ``tol``."""
+    if isinstance(diffs, dict):
+        for key, value in diffs.items():
+            assert_small(value, f"{where}/{key}", tol)
+        return
+    assert isinstance(diffs, float), f"{where}: {diffs}"
+    assert diffs <= tol, f"{where}: off by {diffs}"

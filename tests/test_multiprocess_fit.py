@@ -118,6 +118,23 @@ def test_process_0_receives_the_global_unreduced_records(runs, processes, device
 
 
 @pytest.mark.parametrize(("processes", "devices"), LAYOUTS)
+def test_records_inside_shard_map_equal_one_process(runs, processes, devices):
+    """The model inside a shard_map of the loss: one record per shard (4 shards over every
+    process's devices) on the leading axis, delivered to process 0, equal to one process's."""
+    ref = runs["ref"]["train"]["shard_map"]
+    assert len(ref["records"]) == 2
+    np.testing.assert_allclose(ref["losses"], runs["ref"]["train"]["losses"][:2], rtol=1e-6)  # the same loss
+    first, *others = runs[processes]
+    got = first["train"]["shard_map"]
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6)
+    for (step, g), (ref_step, e) in zip(got["records"], ref["records"]):
+        assert step == ref_step
+        assert np.shape(g["['fc1'].input"]) == (4, 4, 16)  # (shards, rows per shard, features)
+        close(g, e, rtol=1e-6, atol=1e-7)
+    assert all(run["train"]["shard_map"]["records"] == [] for run in others)
+
+
+@pytest.mark.parametrize(("processes", "devices"), LAYOUTS)
 def test_on_host_and_metrics_once_per_step_per_record_on_process_0(runs, processes, devices):
     first, *others = runs[processes]
     on_host = first["train"]["on_host"]

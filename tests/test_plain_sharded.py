@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from tests.helpers import run_with_devices
+from tests.helpers import assert_small, run_with_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_plain_sharded_script.py"
@@ -25,13 +25,7 @@ def _run(devices: int) -> dict:
 
 
 def _assert_small(diffs, where: str) -> None:
-    """Every difference in a (nested) dict of them is a number within TOL."""
-    if isinstance(diffs, dict):
-        for key, value in diffs.items():
-            _assert_small(value, f"{where}/{key}")
-        return
-    assert isinstance(diffs, float), f"{where}: {diffs}"
-    assert diffs <= TOL, f"{where}: off by {diffs}"
+    assert_small(diffs, where, TOL)
 
 
 @pytest.fixture(scope="module")

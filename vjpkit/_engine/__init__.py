@@ -3,7 +3,8 @@
 Contract: the facade every transform (``_autodiff``, ``_explicit``) and inspect tool uses; they
 import nothing else from the engine. Rooms, dependencies pointing down:
 
-* ``_driver``: ``configure``, ``trace``, ``linearize``, ``init_hook_state`` (the one driver);
+* ``_driver``: ``configure``, ``trace``, ``linearize``, ``init_hook_state`` (the one driver),
+  ``require_unsharded`` (for tools that need the whole batch's records);
 * ``_plan`` (names, active calls, shapes) and ``_run`` (evaluation), both walking equations by
   ``_rules`` (one table keyed by primitive, planning and evaluation side by side);
 * ``_site``: sites as spans of the program with a layout, found by site sources;
@@ -18,6 +19,7 @@ from ._driver import Traced as Traced
 from ._driver import configure as configure
 from ._driver import init_hook_state as init_hook_state
 from ._driver import linearize as linearize
+from ._driver import require_unsharded as require_unsharded
 from ._driver import trace as trace
 from ._handlers import Handler as Handler
 from ._handlers import chain as chain
@@ -49,5 +51,6 @@ __all__ = [
     "linearize",
     "registered_rule",
     "registered_source",
+    "require_unsharded",
     "trace",
 ]

@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 
 from .. import _context, _format, _hooks, _host
 from .._capture import CaptureSpec, as_specs
-from .._errors import ConfigError
+from .._errors import ConfigError, VjpkitError
 from .._hook_base import HookState
 from .._trees import is_traced, vary, varying_axes
 from . import _fori, _handlers, _match, _slots
@@ -133,11 +133,13 @@ def trace(
         # constants of a jax.shard_map body): traced as under jit, as jax.grad would be.
         try:
             closed, shape = jax.make_jaxpr(functools.partial(marked, eager=False), return_shape=True)(*leaves)
+        except VjpkitError:  # vjpkit's own error about the function: the one to show
+            raise
         except Exception:
-            pass
+            raise_first = True
         else:
-            eager = False
-        if eager:
+            raise_first = False
+        if raise_first:
             raise
     closed = _fori.hoist(closed)  # fori_loop's W[i] as the scan's xs, as lax.scan(body, x, W)
     other: list = []
@@ -152,6 +154,21 @@ def trace(
     if check:
         config.check_matched(plan.names)
     return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)), other)
+
+
+def require_unsharded(traced: Traced, what: str) -> None:
+    """A ``ConfigError`` when a layer call of ``traced`` runs inside a ``jax.shard_map`` of the
+    function: ``what`` (per-example or curvature statistics) reads records per example of the
+    whole batch, which a shard_map splits."""
+    inside = [s.key for s in traced.plan.by_key.values() if s.shards]
+    if inside:
+        raise ConfigError(
+            f"{traced.plan.config.transform}: layer call(s) {inside} run inside a jax.shard_map in the "
+            f"function, so their records are per shard; {what} are computed from the whole batch's "
+            "records and do not take them. Call the tool inside the shard_map body instead (each "
+            "shard's statistics; vk.curvature.kfac averages its factors over the shards with "
+            "axis_name=), or run the function on a sharded batch under jax.jit without shard_map."
+        )
 
 
 def _leaf_paths(diff: list, nums: Sequence[int]) -> list[str]:

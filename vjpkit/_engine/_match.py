@@ -28,10 +28,10 @@ the name, or by their full path when the name is the weight's own. A span of one
 module is named by the module (``{"fc": {"w": W}}``: ``fc`` with params ``{"w"}``, as Flax's
 ``Dense_0/kernel`` is ``Dense_0``), unless another layer with other params would have that name
 (``fc/w`` and ``fc/v`` used apart, ``layers/0`` and ``layers/1``): then it keeps the leaf's path.
-Walked into ``lax.scan``
-(a stacked leaf passed as ``xs`` is a plain parameter per iteration), ``lax.cond`` branches,
-inner ``jax.jit``, ``jax.checkpoint`` and ``jax.shard_map`` bodies (a leaf replicated into a
-shard_map, ``in_specs`` ``P()``, is the leaf in every shard; one split over the shards is a copy); explicit layer calls (``vjpkit_layer``) are
+Walked into ``lax.scan`` (a stacked leaf passed as ``xs`` is a plain parameter per iteration),
+``lax.cond`` branches, inner ``jax.jit``, ``jax.checkpoint`` and ``jax.shard_map`` bodies (a
+leaf replicated into a shard_map, ``in_specs`` ``P()``, is the leaf in every shard; one split
+over the shards is a copy); explicit layer calls (``vjpkit_layer``) are
 left to their source. A leaf enters a nested program as a leaf only as it is (a scan's carry
 only when the body returns it unchanged): a parameter computation made outside the nested
 program (``W.T``, a cast, ``W[i]``, LoRA's sum) or changed in a carry is a *copy* there, never a

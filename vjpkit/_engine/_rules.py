@@ -245,7 +245,7 @@ def _eval_shard_map(runner, eqn, invals, p, probes, states):
     mapped = jax.shard_map(
         body,
         mesh=params["mesh"],
-        in_specs=(list(params["in_specs"]), jax.tree.map(lambda _: split, pr), jax.tree.map(lambda _: split, st)),
+        in_specs=(list(params["in_specs"]), *jax.tree.map(lambda _: split, (pr, st))),
         out_specs=(list(params["out_specs"]), jax.tree.map(lambda _: split, st)),
         axis_names=frozenset(axes),
         check_vma=params["check_vma"],

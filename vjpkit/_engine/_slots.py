@@ -1,11 +1,12 @@
 """Slots and hook state: how captured records and new states leave the backward pass.
 
 Contract: an active layer call with a capture spec owns a *slot*: a zero "probe" operand whose
-cotangent the rule sets to ``{"captured": record, "ran": 1}``. Slot shapes come from the
-plan (the program's types), never from a second trace. A call inside ``lax.scan`` or
+cotangent the rule sets to ``{"captured": record, "ran": 1}``. Slot shapes come from the plan
+(the program's types), never from a second trace. A call inside ``lax.scan`` or
 ``jax.shard_map`` has its probe stacked on a leading axis per enclosing scan (its length) or
-shard_map (its shards), outermost first, so its records come back one per iteration and shard. Integer and boolean leaves travel exactly, as 16-bit chunks in float32; a record
-of a ``lax.cond`` branch not taken comes back as NaN (integers: 0), never as plausible zeros.
+shard_map (its shards), outermost first, so its records come back one per iteration and shard.
+Integer and boolean leaves travel exactly, as 16-bit chunks in float32; a record of a
+``lax.cond`` branch not taken comes back as NaN (integers: 0), never as plausible zeros.
 
 The hook state threaded by ``hook_state=`` is a ``HookState`` (``_hook_base``): ``layers`` maps
 call keys to the states of their stateful hooks, ``host`` holds the step counters of host

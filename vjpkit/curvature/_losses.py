@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from .._errors import ConfigError
 from .._format import spec as _spec
 
@@ -46,6 +47,7 @@ class Mark(NamedTuple):
     output: jax.Array
     target: jax.Array
     value: Any = None  # the loss value the registered call returned (the transform checks it)
+    axes: tuple = ()  # the named axes (pmap, shard_map) the registered call ran under
 
 
 @contextlib.contextmanager
@@ -63,7 +65,7 @@ def collecting() -> Iterator[list[Mark]]:
 def _mark(kind: str, output: Any, target: Any, value: Any) -> Any:
     stack = getattr(_local, "stack", None)
     if stack:
-        stack[-1].append(Mark(kind, output, target, value))
+        stack[-1].append(Mark(kind, output, target, value, tuple(_compat.axis_names())))
     return value
 
 

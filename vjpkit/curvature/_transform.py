@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from .. import _autodiff, _capture, _engine, _format
+from .. import _autodiff, _capture, _compat, _engine, _format
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
@@ -81,8 +81,17 @@ def transform(
         kinds: list[str] = []
 
         def marked(*a, **kw):
+            outer = set(_compat.axis_names())
             with _losses.collecting() as marks:
                 out = checked(*a, **kw)
+            inner = sorted({ax for m in marks for ax in m.axes} - outer)
+            if inner:
+                raise ConfigError(
+                    f"{name}: the registered vk.curvature.{marks[0].kind} loss runs inside a "
+                    f"jax.shard_map (axes {inner}) in the function, so the model output it reads is "
+                    "per shard. Compute the statistics inside the shard_map body instead "
+                    "(vk.curvature.kfac averages its factors over the shards with axis_name=)."
+                )
             loss, aux = out if has_aux else (out, None)
             if not marks:
                 raise ConfigError(
@@ -110,6 +119,7 @@ def transform(
             return (loss, marks[0].output), (aux, marks[0].target)
 
         traced = _engine.trace(config, marked, args, kwargs, argnums=nums, has_aux=True)
+        _engine.require_unsharded(traced, "curvature statistics")
         (value, output), (aux, target), pull = _engine.linearize(traced)
         mark = _losses.Mark(kinds[0], output, target)
         zero = jnp.zeros_like(value)

@@ -211,6 +211,7 @@ def _rows(traced: _Trace, nums: tuple[int, ...]) -> list[dict]:
             "forward": position,
             "backward": backward.index(key) if reached else None,
             "iterations": tuple(site.scans),  # the enclosing lax.scan s' lengths, outermost first
+            "shards": tuple(site.shards),  # the enclosing jax.shard_map s' shards, outermost first
         }
         for field in FIELDS:
             row[field] = getattr(site.record, field) if reached else None
@@ -218,6 +219,14 @@ def _rows(traced: _Trace, nums: tuple[int, ...]) -> list[dict]:
         row["meaning"] = _meanings(row, nums, reached and backward.index(key) == 0, shared)
         if row["iterations"]:
             row["meaning"]["iterations"] = _iterations_meaning(key, row["iterations"])
+        if row["shards"]:
+            row["meaning"]["shards"] = (
+                f"{key} is called inside jax.shard_map ({' x '.join(map(str, row['shards']))} shards); "
+                "the shapes shown are one shard's. Captured records and on_host records have one "
+                "entry per shard on a leading axis (after the axes of the lax.scan s around the "
+                "shard_map, before those inside it); a parameter replicated into the shard_map "
+                "(in_specs P()) has grad_params summed over the shards, as jax.grad gives it there."
+            )
         rows.append(row)
     return rows
 
@@ -282,6 +291,10 @@ def _header(fname: str, out: Any, kind: str, nums: tuple[int, ...], rows: list[d
             f"inside lax.scan (one record per iteration, shapes per iteration): {each}; "
             "iteration i is key[i] in Recorder series and plots"
         )
+    sharded = [r for r in rows if r.get("shards")]
+    if sharded:
+        each = ", ".join(f"{r['key']} x{' x '.join(map(str, r['shards']))}" for r in sharded)
+        lines.append(f"inside jax.shard_map (one record per shard, shapes per shard): {each}")
     return lines
 
 
@@ -366,7 +379,8 @@ def explain(
         ``input``, ``output``, ``grad_output``, ``grad_input``, ``grad_params`` as
         ``jax.ShapeDtypeStruct`` pytrees (``None`` where the record has ``None``),
         ``iterations`` (the enclosing ``lax.scan`` s' lengths, outermost first; the shapes are
-        one iteration's) and ``meaning``: one sentence per field about this call. Its
+        one iteration's), ``shards`` (the enclosing ``jax.shard_map`` s' shards, outermost first;
+        the shapes are one shard's) and ``meaning``: one sentence per field about this call. Its
         ``other_uses`` attribute lists the parameters that plain-JAX matching found used outside
         any layer (weight decay in the loss): ``(leaves, primitive, where)`` each, also printed
         under the header.

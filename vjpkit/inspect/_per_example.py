@@ -199,7 +199,17 @@ def _per_example_loss(
     """
 
     def single(params, *example):
-        out = loss_fn(params, *jax.tree.map(lambda a: a[None], example))
+        try:
+            out = loss_fn(params, *jax.tree.map(lambda a: a[None], example))
+        except ValueError as err:  # a shard_map cannot split a batch of one example
+            if "shard_map" not in str(err):
+                raise
+            raise ConfigError(
+                f"{who}: loss_fn runs a jax.shard_map over the batch, which cannot split the batch "
+                "of one example each per-example loss is computed on. Call the tool inside the "
+                "shard_map body instead (per-example statistics of each shard's rows), or run the "
+                "loss on a sharded batch under jax.jit without shard_map."
+            ) from err
         if not (hasattr(out, "shape") and tuple(out.shape) == ()):
             raise ConfigError(
                 f"{who}: loss_fn must return a scalar: the mean (reduction='mean') or the sum "
@@ -234,6 +244,7 @@ def _map_calls(fun: Callable, params: Any, batch: tuple, who: str) -> tuple[list
     config = _engine.configure(None, None, who)
     args = (params, *batch)
     traced = _engine.trace(config, fun, args, argnums=tuple(range(len(args))), check=False, params=(0,))
+    _engine.require_unsharded(traced, "per-example statistics")
     n_leaves = len(jax.tree.leaves(params))  # the program's inputs: params leaves, then the batch
     n_inputs = len(traced.closed.jaxpr.invars)
     batched: set[int] = set()  # ids of the layer equations some example-dependent value reaches
