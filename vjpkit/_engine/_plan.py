@@ -4,7 +4,8 @@ Contract: ``Plan(config, jaxpr, in_flags, handlers)`` walks a traced program onc
 nothing; each equation is walked by its primitive's rule (``_rules``). It names every site
 (``_site``: a span a site source recognises) in forward order (``name``, ``name#1``, ...) as
 if inner ``jax.jit`` and ``jax.checkpoint`` bodies were inlined; the calls of one ``lax.cond``
-restart from the same counts in each branch, so a layer in either branch has one key. It
+restart from the same counts in each branch, so a layer in either branch has one key; a call
+inside ``lax.scan`` or ``jax.shard_map`` has one record per iteration or shard (``Site.stack``). It
 decides which calls are *active* (a hook or capture spec matches), and derives from the
 program's types, per call: the record's shapes (``grad_input`` / ``grad_params`` leaves are
 ``None`` where no gradient can flow: a forward dataflow over the program), the hook state's
