@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ._errors import ConfigError
-from ._names import check_glob, matches_any
+from ._names import iterations, matches_any
 from ._records import Cotangents
 
 FIELDS = ("params", "input", "output", "grad_output", "grad_input", "grad_params")
@@ -99,8 +99,22 @@ class CaptureSpec(NamedTuple):
     host: Any = None
 
     def matches(self, name: str, call: int = 0) -> bool:
-        """Whether the globs choose call ``call`` of layer ``name`` (``_names.matches``)."""
-        return matches_any(name, call, self.layers)
+        """Whether the globs choose call ``call`` of layer ``name`` (``_names.matches``; a
+        trailing ``[i]`` chooses iterations of it, see ``iterations``)."""
+        return matches_any(name, call, [iterations(g)[0] for g in self.layers])
+
+    def iterations(self, name: str, call: int = 0) -> list[tuple] | None:
+        """The scan iterations the globs keep of call ``call`` of ``name``: ``None`` for all of
+        them (a glob without ``[i]``, or ``[*]`` only), else one index tuple per glob
+        (``None`` entries for ``[*]``)."""
+        chosen = []
+        for glob in self.layers:
+            base, wanted = iterations(glob)
+            if matches_any(name, call, [base]):
+                if all(w is None for w in wanted):
+                    return None
+                chosen.append(wanted)
+        return chosen
 
 
 def _reduction(r: Any) -> Any:
@@ -125,7 +139,8 @@ def capture(
     """Chooses layer calls and record fields to return from the graph as arrays.
 
     Args:
-        layers: a glob or globs over layer paths.
+        layers: a glob or globs over layer paths; ``blocks[2]`` keeps iteration 2 only of a
+            layer called inside ``lax.scan``, keyed ``"blocks[2]"`` (``[i][j]`` for nested scans).
         fields: record fields to keep (others are ``None``): any of ``params, input, output,
             grad_output, grad_input, grad_params``.
         reduce: ``None`` for whole arrays, a reduction (``"norm"``, ``"mean"``, ``"var"``,
@@ -142,8 +157,6 @@ def capture(
     globs = (layers,) if isinstance(layers, str) else tuple(layers)
     if not globs or not all(isinstance(g, str) and g for g in globs):
         raise ConfigError(f"vk.capture: layers must be a glob or a list of globs, got {layers!r}.")
-    for g in globs:
-        check_glob(g, "vk.capture")
     fields = (fields,) if isinstance(fields, str) else tuple(fields)
     unknown = [f for f in fields if f not in FIELDS]
     if unknown or not fields:

@@ -37,8 +37,8 @@ from typing import Any
 import jax
 
 from ._errors import ConfigError
-from ._hook_base import before, inner, is_deferred, is_factory
-from ._names import call_keys, check_glob, matches, split_key
+from ._hook_base import at_iteration, before, inner, is_deferred, is_factory
+from ._names import call_keys, iterations, matches, split_key
 
 _local = threading.local()
 _tokens = itertools.count(1)
@@ -172,8 +172,15 @@ class Config:
             object.__setattr__(self, "token", content_token(content))
 
     def hooks_for(self, name: str, call: int = 0) -> tuple[Callable, ...]:
-        """All hooks whose glob matches call ``call`` of ``name`` (``_names.matches``), in order."""
-        return tuple(h for glob, hooks in self.hooks if matches(name, call, glob) for h in hooks)
+        """All hooks whose glob matches call ``call`` of ``name`` (``_names.matches``), in order;
+        a glob ending in ``[i]`` gives its hooks wrapped in ``at_iteration``."""
+        out = []
+        for glob, hooks in self.hooks:
+            base, wanted = iterations(glob)
+            if matches(name, call, base):
+                gated = any(w is not None for w in wanted)
+                out += [at_iteration(h, wanted) if gated else h for h in hooks]
+        return tuple(out)
 
     def capture_for(self, name: str, call: int = 0) -> Any:
         """The first capture spec whose globs match call ``call`` of ``name``, or ``None``."""
@@ -184,7 +191,7 @@ class Config:
         once per call) made in the traced function."""
         globs = [glob for glob, _ in self.hooks] + [g for spec in self.capture for g in spec.layers]
         keys = call_keys(names)
-        missing = [g for g in globs if not any(matches(*split_key(k), g) for k in keys)]
+        missing = [g for g in globs if not any(matches(*split_key(k), iterations(g)[0]) for k in keys)]
         if not missing:
             return
         available = _listed(keys) if keys else "none: no vjpkit layer ran"
@@ -281,6 +288,24 @@ def name_scope(name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def iteration(index: tuple) -> Iterator[None]:
+    """Marks that a layer call's backward pass is traced at scan iteration ``index`` (traced
+    ints, one per enclosing scan), for hooks that run on some iterations only."""
+    stack = _stack("iteration")
+    stack.append(tuple(index))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_iteration() -> tuple:
+    """The scan iteration whose backward pass is being traced (``iteration``), else ``()``."""
+    stack = _stack("iteration")
+    return stack[-1] if stack else ()
+
+
+@contextlib.contextmanager
 def tracing(name: str) -> Iterator[None]:
     """Marks that the function of layer call ``name`` is being traced (``_primitive.bind``)."""
     layers = _stack("layers")
@@ -316,7 +341,6 @@ def normalize_hooks(hooks: Any, transform: str) -> tuple[tuple[str, tuple[Callab
     for glob, value in hooks.items():
         if not isinstance(glob, str) or not glob:
             raise ConfigError(f"{transform}: hook keys must be non-empty glob strings, got {glob!r}.")
-        check_glob(glob, transform)
         many = isinstance(value, list) or (isinstance(value, tuple) and not hasattr(value, "_fields"))
         fns = tuple(value) if many else (value,)
         for fn in fns:

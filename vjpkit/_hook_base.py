@@ -90,13 +90,48 @@ def is_factory(obj: Any) -> bool:
     )
 
 
+class at_iteration:  # noqa: N801  (a hook wrapper)
+    """A hook that runs on some iterations only of a layer called inside ``lax.scan``: made by a
+    glob ending in ``[i]`` (``hooks={"blocks[2]": hook}``), never by hand.
+
+    Attributes:
+        hook: the hook (possibly ``vk.before(...)``); wanted: per enclosing scan, outermost
+            first, the iteration index, or ``None`` for every iteration (``[*]``).
+    """
+
+    def __init__(self, hook: Any, wanted: tuple):
+        self.hook = hook
+        self.wanted = tuple(wanted)
+
+    def wants(self, index: tuple) -> bool:
+        """Whether the iteration ``index`` (one int per enclosing scan) is chosen."""
+        return all(w is None or w == i for w, i in zip(self.wanted, index))
+
+    def __getattr__(self, name: str) -> Any:  # a host hook's deferred, every, _deliver, ...
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.__dict__["hook"], name)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, at_iteration) and (other.hook, other.wanted) == (self.hook, self.wanted)
+
+    def __hash__(self) -> int:
+        return hash(("at_iteration", self.hook, self.wanted))
+
+    def __repr__(self) -> str:
+        index = "".join(f"[{'*' if w is None else w}]" for w in self.wanted)
+        return f"{self.hook!r}{index}"
+
+
 def inner(hook: Any) -> Any:
-    """The hook itself, without a ``before`` wrapper."""
+    """The hook itself, without ``before`` or iteration wrappers."""
+    if isinstance(hook, at_iteration):
+        hook = hook.hook
     return hook.hook if isinstance(hook, before) else hook
 
 
 def is_before(hook: Any) -> bool:
-    return isinstance(hook, before)
+    return isinstance(hook.hook if isinstance(hook, at_iteration) else hook, before)
 
 
 def is_deferred(hook: Any) -> bool:

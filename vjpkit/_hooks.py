@@ -18,11 +18,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import _context, _format
 from ._check import check_like
 from ._errors import ConfigError, HookError
-from ._hook_base import HookTransform, factory, inner, is_before, is_deferred
+from ._hook_base import HookTransform, at_iteration, factory, inner, is_before, is_deferred
 from ._records import Cotangents
 
 
@@ -237,6 +238,7 @@ def run(
             continue
         before_ids = _snapshot(rec)
         fn = hook.update if isinstance(hook, HookTransform) else hook
+        chosen = _chosen(wrapped, rec)  # None: every iteration, else a traced bool
         with _context.activate(None):  # hooks may call layers: those are plain calls
             if isinstance(hook, HookTransform):
                 old = states[k - 1]
@@ -248,18 +250,39 @@ def run(
                     error=HookError,
                     hint="update(rec, state) must return a state of the same structure, shapes and dtypes.",
                 )
-                states[k - 1] = new
+                states[k - 1] = new if chosen is None else _where(chosen, new, old)
             else:
                 out = hook(rec)
                 if out is None:
                     _watch_kept(rec, hook)
         _check_untouched(rec, before_ids, fn)
-        rec = validate(rec, out, fn, phase)
+        new_rec = validate(rec, out, fn, phase)
+        rec = new_rec if chosen is None or new_rec is rec else _where(chosen, new_rec, rec)
     if stateless:
         return rec, None
     if not transforms:
         return rec, ()
     return rec, states[0] if len(states) == 1 else tuple(states)
+
+
+def _chosen(hook: Any, rec: Cotangents) -> Any:
+    """For a hook on some scan iterations only (``at_iteration``), whether the iteration whose
+    backward pass is traced is one of them (a traced bool); ``None`` for any other hook."""
+    if not isinstance(hook, at_iteration):
+        return None
+    index = _context.current_iteration()
+    if len(index) != len(hook.wanted):
+        raise ConfigError(
+            f"the hook {hook!r} on layer {rec.name!r} (call {rec.call}) chooses scan iterations, "
+            "but this backward pass is not traced per iteration (a transform that does not run "
+            "iteration globs, such as forward mode): use a glob without [i]."
+        )
+    return jnp.all(jnp.asarray([i == w for w, i in zip(hook.wanted, index) if w is not None]))
+
+
+def _where(chosen: Any, new: Any, old: Any) -> Any:
+    """``new`` where ``chosen``, else ``old``, leaf by leaf (``None`` leaves stay ``None``)."""
+    return jax.tree.map(lambda a, b: jnp.where(chosen, a, b), new, old)
 
 
 _watch = threading.local()

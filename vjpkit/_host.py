@@ -47,6 +47,7 @@ import numpy as np
 from . import _callback, _compat
 from ._callback import host_call
 from ._errors import ConfigError, HostHookError
+from ._hook_base import at_iteration
 from ._records import Cotangents
 
 
@@ -162,6 +163,11 @@ def _where(position: Any) -> tuple[int, ...]:
     return (*(int(v) for v in np.ravel(position)), *_callback.batch_index())
 
 
+def _bare(hook: Any) -> Any:
+    """A host hook without its iteration wrapper (the ``due`` flags are keyed by it)."""
+    return hook.hook if isinstance(hook, at_iteration) else hook
+
+
 def send_records(payload: list, order: list, due: dict, after: jax.Array | None = None) -> jax.Array:
     """One transfer that hands each ``vk.on_host`` hook its records, in backward order.
 
@@ -181,22 +187,25 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
     """
     gated = list(due)
     hooks_all = list({h: None for *_, per_call in order for hooks in per_call for h in hooks})
-    counted = any(h.every > 1 for h in hooks_all if h not in due)  # every counted on the host
+    counted = any(h.every > 1 for h in hooks_all if _bare(h) not in due)  # every counted on the host
     position = _position() if counted else None
 
     def deliver(tree):
         calls, flags = iter(tree[0]), dict(zip(gated, tree[1]))
         where = _where(tree[2]) if counted else ()
-        passes = {h: bool(flags[h]) if h in flags else h._count_pass(where) for h in hooks_all}
+        passes = {h: bool(flags[_bare(h)]) if _bare(h) in flags else h._count_pass(where) for h in hooks_all}
         for lengths, sharded, hooks_per_call in order:
             group = [(hooks, next(calls)) for hooks in hooks_per_call]
             loops = [1 if s else n for n, s in zip(lengths, sharded)]
             for index in reversed(list(np.ndindex(*loops))):  # last iteration first
                 at = tuple(slice(None) if s else i for i, s in zip(index, sharded))  # every shard
+                scan_index = tuple(i for i, s in zip(index, sharded) if not s)
                 for hooks, (records, ran) in group:
                     if np.any(ran[at] > 0):
                         for hook, rec in zip(hooks, records):
-                            if passes[hook]:
+                            if passes[hook] and (
+                                not isinstance(hook, at_iteration) or hook.wants(scan_index)
+                            ):
                                 hook._deliver(jax.tree.map(lambda a, i=at: a[i], rec) if at else rec)
 
     flags = [jnp.asarray(due[h], jnp.float32) for h in gated]  # float32 like the records: one buffer

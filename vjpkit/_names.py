@@ -14,9 +14,10 @@ transform and the inspect tools choose calls:
 ``call=None`` stands for a layer as a whole (all its calls, as per-layer statistics are): only
 globs without ``#`` or whose call part is ``*`` match it.
 
-Series of a layer called inside ``lax.scan`` (the ``Recorder``'s and the plots') are keyed per
-iteration, ``blocks/fc[2]`` (``name#k[i][j]`` under nested scans). ``matches_key`` reads a
-trailing ``[i]`` (digits or ``*``) of a glob as that iteration: ``blocks/fc[2]`` matches only
+A layer called inside ``lax.scan`` is addressed per iteration by a trailing ``[i]`` (digits or
+``*``, one per enclosing scan, outermost first: ``name#k[i][j]``): hooks and capture given
+``blocks/fc[2]`` run on, and keep, iteration 2 only (``iterations``); the ``Recorder``'s series
+and the plots are keyed ``blocks/fc[2]`` (``matches_key``): ``blocks/fc[2]`` matches only
 ``blocks/fc[2]``, ``blocks/fc[*]`` and ``blocks/fc`` every iteration.
 """
 
@@ -71,19 +72,27 @@ def _split_iterations(s: str) -> tuple[str, tuple[str, ...]]:
     return s[: m.start()], tuple(m.group(1)[1:-1].split("]["))
 
 
+def iterations(glob: str) -> tuple[str, tuple[int | None, ...]]:
+    """``(glob without its trailing [i]..., the iteration per enclosing scan)``; ``None`` for
+    ``[*]``. Hooks and capture given ``blocks[2]`` run on, and keep, iteration 2 only.
+
+    Examples:
+        >>> iterations("blocks/fc[2]"), iterations("fc"), iterations("blocks[*][1]")
+        (('blocks/fc', (2,)), ('fc', ()), ('blocks', (None, 1)))
+    """
+    base, wanted = _split_iterations(glob)
+    return base, tuple(None if w == "*" else int(w) for w in wanted)
+
+
 def check_glob(glob: str, who: str) -> None:
-    """Raises when ``glob`` of a hook or capture names scan iterations (a trailing ``[i]``):
-    those run on, and stack, every iteration of a layer called inside ``lax.scan``."""
+    """Raises when ``glob`` names scan iterations (a trailing ``[i]``) where the tool takes
+    whole layers (curvature statistics)."""
     base, wanted = _split_iterations(glob)
     if wanted:
-        i = wanted[0] if wanted[0].isdigit() else "i"
         raise ConfigError(
             f"{who}: the glob {glob!r} chooses scan iteration(s) {'/'.join(wanted)} of {base!r}, but "
-            "hooks and capture see every iteration of a layer called inside lax.scan (one trace of the "
-            f"body): capture {base!r} and index its record, stacked on the iterations "
-            f"(captured[{base!r}].grad_output[{i}]), or use {glob!r} where results are keyed per "
-            "iteration: vk.inspect.Recorder's series, summary() and the plots. "
-            "vk.explain lists which layers run inside a scan."
+            f"these statistics are per layer: ask for {base!r} (its entries are stacked on the "
+            "iterations) and index them. Hooks and capture take iteration globs."
         )
 
 

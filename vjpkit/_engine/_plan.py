@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from .._errors import ConfigError
+from .._hook_base import at_iteration
 from .._records import Cotangents, call_key
 from . import _site
 from ._rules import At, Scanned, rule_for
@@ -88,6 +89,11 @@ class Site:
     slot: Any
     stack: tuple = ()
     sharded: tuple = ()
+
+    @property
+    def gated(self) -> bool:
+        """Whether a hook of the call runs on some scan iterations only (a glob ``name[i]``)."""
+        return any(isinstance(h, at_iteration) for h in self.hooks)
 
     @property
     def shards(self) -> tuple:
@@ -208,6 +214,8 @@ class Plan:
         hooks = config.hooks_for(name, call)
         spec = config.capture_for(name, call)
         record = _record_avals(span.layout, eqn, ins, name, call)
+        lengths = tuple(n for _, n in at.scans)
+        _check_iterations(config, key, lengths, hooks, spec.iterations(name, call) if spec else None)
         host = tuple(h for h in hooks if getattr(h, "deferred", False))
         state = self.handlers.state(hooks, record, key)
         slot = self.handlers.slot(record, spec, host)
@@ -215,7 +223,7 @@ class Plan:
         if state is not None and any(sharded):  # each shard keeps its own state
             shards = tuple(n for n, s in zip(stack, sharded) if s)
             state = jax.tree.map(lambda a: jax.ShapeDtypeStruct((*shards, *a.shape), a.dtype), state)
-        lengths, loops = tuple(n for _, n in at.scans), tuple(q for q, _, _ in at.stack)
+        loops = tuple(q for q, _, _ in at.stack)
         p = at.path
         site = Site(
             key, name, call, p, span, eqn, hooks, spec, host, tuple(ins), tuple(orig), lengths, loops,
@@ -236,6 +244,27 @@ class Plan:
         self.sites[p] = site
         self.busy.update(p[:k] for k in range(len(p) + 1))  # every layer call is rewritten or inlined
         return self.walk(inner, ins, at, orig)
+
+
+def _check_iterations(config: Any, key: str, lengths: tuple, hooks: tuple, kept: list | None) -> None:
+    """A ``ConfigError`` when a glob's ``[i]`` does not fit the scans around call ``key``."""
+    wanted = [h.wanted for h in hooks if isinstance(h, at_iteration)] + list(kept or ())
+    for w in wanted:
+        index = "".join(f"[{'*' if i is None else i}]" for i in w)
+        if not lengths:
+            raise ConfigError(
+                f"{config.transform}: a hook or capture glob chooses iteration {index} of layer call "
+                f"{key!r}, which is not called inside lax.scan (one record per call). Drop the {index}."
+            )
+        if len(w) != len(lengths) or any(i is not None and not 0 <= i < n for i, n in zip(w, lengths)):
+            runs = " x ".join(map(str, lengths))
+            raise ConfigError(
+                f"{config.transform}: a hook or capture glob chooses iteration {index} of layer call "
+                f"{key!r}, which runs inside {len(lengths)} lax.scan(s) of {runs} iterations: give one "
+                f"index per scan, outermost first, each below its length ({key}"
+                + "".join(f"[0..{n - 1}]" for n in lengths)
+                + ", or [*] for every iteration)."
+            )
 
 
 def _record_avals(layout: _site.Layout, eqn: Any, flags: Sequence[bool], name: str, call: int) -> Cotangents:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
+from .. import _context
 from .._records import Cotangents
 from .._trees import Static, merge, select, unvary, unwrap, vary, varying_axes
 from . import _site
@@ -63,22 +64,26 @@ def hooked(
     state: Any,
     nested_probes: dict,
     nested_states: dict,
+    iteration: tuple = (),
 ) -> tuple[list, Any, dict]:
-    """Evaluates ``site`` through its rule; returns ``(outputs, new state, nested states)``."""
+    """Evaluates ``site`` through its rule; returns ``(outputs, new state, nested states)``.
+
+    ``iteration``: the indices of the enclosing scans (traced), for hooks that run on some
+    iterations only; the handlers run under ``_context.iteration(iteration)``."""
     in_avals = [v.aval for v in site.eqn.invars]
     out_avals = [v.aval for v in site.eqn.outvars]
     layout = site.layout
     static_flags = site.flags
     pre = handler.before is not None
 
-    def primal(ops, probe, state, npr, nst):
-        del probe
+    def primal(ops, probe, state, npr, nst, it):
+        del probe, it
         outs, nst = run_inner(list(ops), npr, nst)
         return outs, state, nst
 
     rule = jax.custom_vjp(primal)
 
-    def fwd(ops, probe, state, npr, nst):
+    def fwd(ops, probe, state, npr, nst, it):
         ops_v, mask = unwrap(ops)
         state_v, _ = unwrap(state)
         npr_v, _ = unwrap(npr)
@@ -90,9 +95,14 @@ def hooked(
         (outs, nst_out), vjp_fn = jax.vjp(part, select(ops_v, mask), npr_v, nst_v)
         probe_v, _ = unwrap(probe)
         axes = Static(tuple(varying_axes(p) for p in jax.tree.leaves(probe_v)))  # inside shard_map
-        return (outs, state_v, nst_out), (vjp_fn, ops_v, outs, Static(tuple(mask)), axes)
+        it_v, _ = unwrap(it)
+        return (outs, state_v, nst_out), (vjp_fn, ops_v, outs, Static(tuple(mask)), axes, it_v)
 
     def bwd(res, cts):
+        with _context.iteration(res[-1]):
+            return _bwd(res[:-1], cts)
+
+    def _bwd(res, cts):
         vjp_fn, ops_v, outs, mask, probe_axes = res
         mask = mask.value
         g_outs, (g_state, g_live), g_nst = cts
@@ -134,10 +144,10 @@ def hooked(
             probe_ct = jax.tree.unflatten(tree, [vary(c, a) for c, a in zip(leaves, probe_axes.value)])
         # a per-shard rewrite (a hook with per-shard state) of a replicated operand's gradient
         out_grads = [unvary(s, a) if m and s is not None else None for s, m, a in zip(shown, mask, in_avals)]
-        return out_grads, probe_ct, (new_state, g_live), g_npr, g_nst_in
+        return out_grads, probe_ct, (new_state, g_live), g_npr, g_nst_in, None
 
     rule.defvjp(fwd, bwd, symbolic_zeros=True)
-    return rule(list(ops), probe, state, nested_probes, nested_states)
+    return rule(list(ops), probe, state, nested_probes, nested_states, tuple(iteration))
 
 
 def _out_leaves(layout: _site.Layout, rec: Cotangents) -> list:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -129,18 +130,22 @@ def _eval_scan(runner, eqn, invals, p, probes, states):
     body = params["jaxpr"]
     consts, init, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
     pr, st = runner.mine(p, probes, states)
+    # a hook on some iterations only (a glob "blocks[2]") inside: the iteration index rides as xs
+    n = params["length"]
+    index = jnp.arange(n, dtype=jnp.int32) if any(s.gated for s in runner.plan.under(p)) else None
 
     def step(carry, x):
         c, s = carry
-        xx, prx = x
-        outs, s = runner.eval(body.jaxpr, body.consts, [*consts, *c, *xx], p, prx, s)
+        xx, prx, i = x
+        with runner.at_iteration(i):
+            outs, s = runner.eval(body.jaxpr, body.consts, [*consts, *c, *xx], p, prx, s)
         return (outs[:ncar], s), outs[ncar:]
 
     (c_out, st), ys = lax.scan(
         step,
         (list(init), st),
-        (list(xs), pr),
-        length=params["length"],
+        (list(xs), pr, index),
+        length=n,
         reverse=params["reverse"],
         unroll=params["unroll"],
     )

@@ -14,7 +14,8 @@ cotangents of the initial ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -53,6 +54,18 @@ class Runner:
         # Inside another vjpkit transform's trace (a hooked gradient inside a hooked loss), layer
         # calls stay marked, so that the outer transform sees the forward calls of this one.
         self.mark = _context.current() is _context.LAYERS
+        self.iteration: list = []  # the indices of the enclosing scans that hold gated hooks
+
+    @contextlib.contextmanager
+    def at_iteration(self, index: Any) -> Iterator[None]:
+        """Evaluates a scan body at iteration ``index`` (traced), or outside any when ``None``."""
+        if index is not None:
+            self.iteration.append(index)
+        try:
+            yield
+        finally:
+            if index is not None:
+                self.iteration.pop()
 
     @staticmethod
     def bind(eqn: Any, invals: Sequence) -> list:
@@ -134,8 +147,9 @@ class Runner:
 
         pr, st = self.mine(p, probes, states)
         state_in = (states.get(site.key), states.get(site.carrier))
+        iteration = tuple(self.iteration) if site.gated else ()
         outs, (state, live), st = _rule.hooked(
-            site, self.handler, run_inner, invals, probes.get(site.key), state_in, pr, st
+            site, self.handler, run_inner, invals, probes.get(site.key), state_in, pr, st, iteration
         )
         states = {**states, **st}
         if site.state is not None:

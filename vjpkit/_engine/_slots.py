@@ -75,7 +75,15 @@ def read_captured(plan: Any, probe_grads: dict) -> dict:
                 return jnp.where(r, x, jnp.asarray(fill, x.dtype))
 
             rec = jax.tree.map(mask, rec)
-        out[key] = rec
+        kept = site.spec.iterations(site.name, site.call)
+        if kept is None:
+            out[key] = rec
+        for wanted in kept or ():  # a glob "blocks[2]": that iteration's record, as "blocks[2]"
+            index = iter(wanted)
+            at = tuple(slice(None) if s else next(index) for s in site.sharded)
+            at = tuple(slice(None) if i is None else i for i in at)
+            name = key + "".join(f"[{'*' if i is None else i}]" for i in wanted)
+            out[name] = jax.tree.map(lambda a, at=at: a[at], rec)
     return out
 
 

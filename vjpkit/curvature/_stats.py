@@ -28,6 +28,7 @@ from jax import lax
 
 from .. import stats as statslayer
 from .._errors import ConfigError
+from .._names import check_glob
 from ._types import Factors, LayerCurvature, Layout, stats_dtype
 
 FACTORS = ("kflr", "kfac", "kfac_empirical")
@@ -79,6 +80,8 @@ def stats(
     globs = (layers,) if isinstance(layers, str) else tuple(layers)
     if not globs or not all(isinstance(g, str) and g for g in globs):
         raise ConfigError(f"vk.curvature.stats: layers must be a glob or a list of globs, got {layers!r}.")
+    for g in globs:
+        check_glob(g, "vk.curvature.stats")
     which = (which,) if isinstance(which, str) else tuple(which)
     if "variance" in which:
         raise ConfigError(

@@ -237,8 +237,9 @@ def _iterations_meaning(key: str, lengths: tuple[int, ...]) -> str:
     return (
         f"{key} is called inside lax.scan ({runs} iterations); the shapes shown are one "
         f"iteration's. Hooks run once per iteration (the last first); captured records are "
-        f"stacked on leading axes ({', '.join(map(str, lengths))}, ...); Recorder series, "
-        f"summaries and plots key each iteration {key}{index} ({key}[0] the first)."
+        f"stacked on leading axes ({', '.join(map(str, lengths))}, ...); hook and capture globs, "
+        f"Recorder series, summaries and plots address each iteration as {key}{index} "
+        f"({key}[0] the first)."
     )
 
 
