@@ -20,6 +20,8 @@ shards (``pmean``) of each shard's own loss, so the function equals the loss of 
   shard_map, whose gradient each shard's replicated gradient equals), two steps; an
   ``vk.on_host`` hook (one call per step per layer, the shards leading, equal to the capture);
   capture ``reduce="norm"`` (each shard's norm).
+* ``structures``: a ``lax.cond``, a ``vmap``, ``check_vma=False``, Flax and Equinox models inside
+  the body (when installed), grad-of-grad around it: ``jax.grad``'s gradient, a record per shard.
 * ``errors``: per-example and curvature statistics of such a function raise ``ConfigError``.
 """
 
@@ -204,6 +206,69 @@ def hooks() -> dict:
     return out
 
 
+def structures() -> dict:
+    """Inside the shard_map body: a ``lax.cond``, a ``vmap`` over the rows, ``check_vma=False``,
+    a Flax and an Equinox model (when installed); around it, grad-of-grad. Per case: the
+    gradient's difference from ``jax.grad`` and the leading axis of each record."""
+
+    def body_cond(p, x, y):
+        z = jax.lax.cond(jnp.sum(x) > 0, lambda: pre1(p, x), lambda: 2.0 * pre1(p, x))
+        return jax.lax.pmean(jnp.mean((pre2(p, z) - y) ** 2), "data")
+
+    def body_vmap(p, x, y):
+        z = jax.vmap(lambda xi: pre2(p, pre1(p, xi)))(x)
+        return jax.lax.pmean(jnp.mean((z - y) ** 2), "data")
+
+    def around(body, **kw):
+        return lambda p, x, y: jax.shard_map(body, out_specs=P(), **SPECS, **kw)(p, x, y)
+
+    cases = {
+        "cond": (around(body_cond), PARAMS),
+        "vmap": (around(body_vmap), PARAMS),
+        "check_vma_false": (around(shard_loss, check_vma=False), PARAMS),
+    }
+    try:
+        import flax.linen as fnn
+
+        class Mlp(fnn.Module):
+            @fnn.compact
+            def __call__(self, x):
+                return fnn.Dense(3, name="fc2")(jnp.tanh(fnn.Dense(8, name="fc1")(x)))
+
+        model = Mlp()
+        body = lambda p, x, y: jax.lax.pmean(jnp.mean((model.apply(p, x) - y) ** 2), "data")
+        cases["flax"] = (around(body), model.init(jax.random.key(0), X))
+    except ImportError:
+        pass
+    try:
+        import equinox as eqx
+
+        arrays, static = eqx.partition(eqx.nn.MLP(4, 3, 8, 1, key=jax.random.key(1)), eqx.is_array)
+
+        def body_eqx(p, x, y):
+            return jax.lax.pmean(jnp.mean((jax.vmap(eqx.combine(p, static))(x) - y) ** 2), "data")
+
+        cases["equinox"] = (around(body_eqx), arrays)
+    except ImportError:
+        pass
+    out = {}
+    for name, (f, params) in cases.items():
+        grads, cap = jax.jit(vk.grad(f, capture="*"))(params, X, Y)
+        want = jax.grad(f)(params, X, Y)
+        out[name] = {
+            "grads": max(diff(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want))),
+            "leading": sorted({int(np.shape(r.grad_output)[0]) for r in cap.values()}),
+            "layers": len(cap),
+        }
+
+    def penalty(grad_fn):  # grad-of-grad: the squared gradient norm, differentiated again
+        return jax.grad(lambda p: sum(jnp.sum(g**2) for g in jax.tree.leaves(grad_fn(p, X, Y))))(PARAMS)
+
+    got, want = penalty(vk.grad(mapped, hooks={"fc1": vk.scale(1.0)})), penalty(jax.grad(mapped))
+    out["grad_of_grad"] = max(diff(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    return out
+
+
 def errors() -> dict:
     out = {}
 
@@ -245,6 +310,7 @@ if __name__ == "__main__":
         "nested": nested(),
         "hooks": hooks(),
     }
+    result["structures"] = structures()
     result["errors"] = errors()
     result["explain"] = [list(r["shards"]) for r in vk.explain(mapped, PARAMS, X, Y, file=io.StringIO())]
     print("RESULT " + json.dumps(result))

@@ -82,3 +82,15 @@ def test_whole_batch_statistics_refuse_shard_map_clearly(run):
 @pytest.mark.slow
 def test_explain_lists_the_shards(run):
     assert run["explain"] == [[4], [4]]
+
+
+@pytest.mark.slow
+def test_structures_inside_the_shard_map_body(run):
+    cases = run["structures"]
+    for name in ("cond", "vmap", "check_vma_false", "flax", "equinox"):
+        if name not in cases:  # Flax or Equinox not installed
+            continue
+        case = cases[name]
+        assert case["leading"] == [4] and case["layers"] >= 2, (name, case)  # every record per shard
+        _assert_small(case["grads"], f"{name}/grads")
+    _assert_small(cases["grad_of_grad"], "grad_of_grad")
