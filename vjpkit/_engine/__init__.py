@@ -6,7 +6,8 @@ import nothing else from the engine. Rooms, dependencies pointing down:
 * ``_driver``: ``configure``, ``trace``, ``linearize``, ``init_hook_state`` (the one driver),
   ``require_unsharded`` (for tools that need the whole batch's records);
 * ``_plan`` (names, active calls, shapes) and ``_run`` (evaluation), both walking equations by
-  ``_rules`` (one table keyed by primitive, planning and evaluation side by side);
+  ``_rules`` (one table keyed by primitive, planning and evaluation side by side; its
+  ``sub_programs`` and ``call_program`` find the programs every other walker descends into);
 * ``_site``: sites as spans of the program with a layout, found by site sources;
 * ``_rule``: the custom_vjp rule, which builds the record and hands it to a handler;
 * ``_handlers``: the policy (hooks, capture, host, explain log), composed with ``chain``;
@@ -28,7 +29,9 @@ from ._plan import Scanned as Scanned
 from ._plan import Site as Site
 from ._rules import RULES as RULES
 from ._rules import Rule as Rule
+from ._rules import call_program as call_program
 from ._rules import registered_rule as registered_rule
+from ._rules import sub_programs as sub_programs
 from ._site import SOURCES as SOURCES
 from ._site import Layout as Layout
 from ._site import Span as Span
@@ -45,6 +48,7 @@ __all__ = [
     "Site",
     "Span",
     "Traced",
+    "call_program",
     "chain",
     "configure",
     "init_hook_state",
@@ -52,5 +56,6 @@ __all__ = [
     "registered_rule",
     "registered_source",
     "require_unsharded",
+    "sub_programs",
     "trace",
 ]

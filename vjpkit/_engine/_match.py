@@ -57,6 +57,7 @@ from .._kinds import LayerKind
 from .._primitive import layer_p, site_primitive
 from .._trees import Static
 from . import _site
+from ._rules import call_program
 
 match_p = site_primitive("vjpkit_matched")
 _site.SOURCES[match_p] = _site.layer_span
@@ -91,7 +92,6 @@ _TRANSPARENT = frozenset(
 _LAYERS = frozenset({"dot_general", "conv_general_dilated", "gather"})
 _AFFINE = frozenset({"mul", "add"})
 _BIASED = frozenset({"dot_general", "conv_general_dilated", "mul"})  # a bias add joins these
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr", "shard_map": "jaxpr"}
 _CALL_NAMES = {"pjit": "jit", "remat2": "checkpoint"}  # as an other use's ``where`` says them
 # (id(program), classes, leaf paths, where) -> (program, rewritten, out classes, other uses)
 _CALL_CACHE: dict = {}
@@ -180,7 +180,8 @@ class _Matcher:
         name = eqn.primitive.name
         if eqn.primitive is layer_p or eqn.primitive is match_p:  # left to its source
             return [D] * len(eqn.outvars), None
-        nested = name in ("scan", "cond") or (name in _CALLS and _CALLS[name] in eqn.params)
+        program = call_program(eqn)
+        nested = name in ("scan", "cond") or program is not None
         if nested:
             # a parameter computation made here (W.T, a cast, W[i], LoRA's sum) is a copy inside
             # the nested program: its record there would hold the copy's gradient under the
@@ -194,7 +195,7 @@ class _Matcher:
         if name == "cond":
             return self.cond(eqn, ins, where, rewrite)
         if nested:
-            return self.call(eqn, ins, where, rewrite)
+            return self.call(eqn, program, ins, where, rewrite)
         if _layer_roles(eqn, ins) is not None:
             return "layer", None
         out = _join(ins, transparent=name in _TRANSPARENT)
@@ -204,9 +205,8 @@ class _Matcher:
                     self.other_use(c, name, where)
         return [out] * len(eqn.outvars), None
 
-    def call(self, eqn, ins, where, rewrite):
-        key = _CALLS[eqn.primitive.name]
-        inner = eqn.params[key]
+    def call(self, eqn, program, ins, where, rewrite):
+        key, inner = program
         # JAX reuses an inner jit's program across traces: so does the rewrite, which keeps the
         # eager engine's compiled-call cache (keyed by the program's identity) warm
         here = _CALL_NAMES.get(eqn.primitive.name, eqn.primitive.name)
@@ -225,7 +225,8 @@ class _Matcher:
                 self.other_use_exact(use)
             self.named += named
         else:
-            closed = isinstance(inner, jcore.ClosedJaxpr) and eqn.primitive.name != "shard_map"
+            # a closed program keeps its consts (jax 0.12: ClosedJaxpr is Jaxpr, with its consts)
+            closed = isinstance(inner, jcore.ClosedJaxpr) and (inner.jaxpr is not inner or bool(inner.consts))
             jaxpr = inner.jaxpr if closed else inner
             before, named_before = len(self.other), len(self.named)
             new, outs = self.walk(jaxpr, ins, [None] * len(jaxpr.constvars), here, rewrite)

@@ -29,7 +29,7 @@ from .._errors import ConfigError
 from .._hook_base import at_iteration
 from .._records import Cotangents, call_key
 from . import _site
-from ._rules import At, Scanned, rule_for
+from ._rules import At, Scanned, rule_for, sub_programs
 
 __all__ = ["Plan", "Scanned", "Site"]
 
@@ -277,12 +277,10 @@ def _record_avals(layout: _site.Layout, eqn: Any, flags: Sequence[bool], name: s
 def _layer_names_in(params: dict) -> list[str]:
     """Names of the layer calls inside the programs held by an equation's ``params``."""
     names = []
-    for v in params.values():
-        for s in v if isinstance(v, (tuple, list)) else [v]:
-            jaxpr = s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s if isinstance(s, jcore.Jaxpr) else None
-            for eqn in jaxpr.eqns if jaxpr is not None else ():
-                span = _site.span_of(eqn)
-                if span is not None:
-                    names.append(span.name)
-                names += _layer_names_in(eqn.params)
+    for jaxpr in sub_programs(params):
+        for eqn in jaxpr.eqns:
+            span = _site.span_of(eqn)
+            if span is not None:
+                names.append(span.name)
+            names += _layer_names_in(eqn.params)
     return names

@@ -1,8 +1,11 @@
 """Rules per primitive: how the plan walks an equation and how the runner evaluates it, side by side.
 
 Contract: ``RULES`` maps a primitive name to a ``Rule(plan, eval)``; ``rule_for(eqn)`` gives the
-rule of an equation (``SITE`` for an equation a site source recognises, ``DEFAULT`` for any
-other primitive). Adding a primitive is one entry here.
+rule of an equation (``SITE`` for an equation a site source recognises, ``CALL`` for any
+call-like primitive not in the table, ``DEFAULT`` for any other primitive). Adding a primitive
+is one entry here. The one place that says which primitives hold programs and how: every
+walker of the engine and of the tools finds sub-programs with ``sub_programs`` and call-like
+equations with ``call_program`` (generically, by their params), never by its own list.
 
 * ``plan(planner, eqn, ins, at) -> out flags``: the forward dataflow "may carry a gradient"
   over the equation's outputs, given its inputs' flags ``ins``; ``at`` is the ``At`` of the
@@ -188,15 +191,16 @@ def _eval_cond(runner, eqn, invals, p, probes, states):
 
 
 def _plan_call(planner, eqn, ins, at):
-    inner = eqn.params["jaxpr"]
+    inner = call_program(eqn)[1]
     return planner.walk(getattr(inner, "jaxpr", inner), ins, at, planner.origins_of(eqn))
 
 
 def _eval_call(runner, eqn, invals, p, probes, states):
     if eqn.primitive.name in ("jit", "pjit") and runner.can_compile(invals, probes, states):
         return runner.compiled(eqn, invals, p, probes, states)
-    inner = eqn.params["jaxpr"]
-    return runner.eval(inner.jaxpr, inner.consts, invals, p, probes, states)
+    inner = call_program(eqn)[1]
+    consts = getattr(inner, "consts", ())
+    return runner.eval(getattr(inner, "jaxpr", inner), consts, invals, p, probes, states)
 
 
 # --- jax.checkpoint: re-checkpointed ----------------------------------------------------------------
@@ -263,33 +267,71 @@ def _eval_shard_map(runner, eqn, invals, p, probes, states):
 
 
 OPAQUE = DEFAULT  # named for the table: the default rule already warns about calls inside
+# a function with its own derivative rule: not rewritten, but its program is what runs forward
+OPAQUE_CALL = Rule(_plan_default, _eval_default)
 
-_CALL = Rule(_plan_call, _eval_call)
+CALL = Rule(_plan_call, _eval_call)  # any call-like primitive (``call_program``): inlined
 RULES: dict[str, Rule] = {
     "scan": Rule(_plan_scan, _eval_scan),
     "cond": Rule(_plan_cond, _eval_cond),
-    "jit": _CALL,
-    "pjit": _CALL,
-    "closed_call": _CALL,
-    "core_call": _CALL,
     "checkpoint": Rule(_plan_remat, _eval_remat),
     "remat2": Rule(_plan_remat, _eval_remat),
-    "custom_jvp_call": OPAQUE,
-    "custom_vjp_call": OPAQUE,
-    "custom_vjp_call_jaxpr": OPAQUE,
+    "custom_jvp_call": OPAQUE_CALL,
+    "custom_vjp_call": OPAQUE_CALL,
+    "custom_vjp_call_jaxpr": OPAQUE_CALL,
     "while": OPAQUE,
     "shard_map": Rule(_plan_shard_map, _eval_shard_map),
 }
 
 
 def rule_for(eqn: Any, is_site: Callable[[Any], bool]) -> Rule:
-    """The rule of ``eqn``: ``SITE`` when a site source recognises it, else its primitive's."""
+    """The rule of ``eqn``: ``SITE`` when a site source recognises it, else its primitive's in
+    ``RULES``, else ``CALL`` for a call-like equation (``call_program``), else ``DEFAULT``."""
     if is_site(eqn):
         return SITE
-    rule = RULES.get(eqn.primitive.name, DEFAULT)
-    if rule is _CALL and "jaxpr" not in eqn.params:
-        return DEFAULT
-    return rule
+    rule = RULES.get(eqn.primitive.name)
+    if rule is not None:
+        return rule
+    return CALL if call_program(eqn) is not None else DEFAULT
+
+
+# --- sub-programs, found generically in equation params (as equinox's _finalise_jaxpr does) ------
+
+
+def _open(value: Any) -> Any:
+    """The open program of a ``Jaxpr`` or ``ClosedJaxpr`` parameter value, else ``None``."""
+    j = getattr(value, "jaxpr", value)
+    return j if hasattr(j, "eqns") and hasattr(j, "invars") else None
+
+
+def sub_programs(params: dict) -> list:
+    """Every program (open ``Jaxpr``) held by an equation's ``params``, in tuples too."""
+    found = []
+    for value in params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            j = _open(v)
+            if j is not None:
+                found.append(j)
+    return found
+
+
+def call_program(eqn: Any, forward: bool = False) -> tuple[str, Any] | None:
+    """``(param name, program)`` of a call-like equation, one that runs one program on its
+    operands as they are and returns its outputs (an inner ``jax.jit``, ``closed_call``,
+    ``jax.checkpoint``, ``jax.shard_map``, any new call primitive), found in its params by
+    arity; ``None`` for the other primitives with programs, whose rules treat them apart
+    (``scan``, ``cond``, and those the engine does not rewrite: custom_jvp/custom_vjp, while).
+    ``forward``: a custom_jvp/custom_vjp function's program too (a forward dataflow may walk
+    what runs forward; the engine does not rewrite it)."""
+    rule = RULES.get(eqn.primitive.name)
+    calls = rule is None or rule.plan in (_plan_remat, _plan_shard_map)
+    if not calls and not (forward and rule is OPAQUE_CALL):
+        return None
+    for key, value in eqn.params.items():
+        j = _open(value)
+        if j is not None and len(j.invars) == len(eqn.invars) and len(j.outvars) == len(eqn.outvars):
+            return key, value
+    return None
 
 
 def registered_rule(name: str, rule: Rule) -> contextlib.AbstractContextManager:

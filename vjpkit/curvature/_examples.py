@@ -22,7 +22,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from .. import _compat
+from .. import _compat, _engine
 
 MIXED = "mixed"
 
@@ -174,12 +174,9 @@ def _walk(jaxpr: Any, ins: list, seed: Any) -> list:
 
 
 def _inner(eqn: Any) -> Any:
-    """The program a call-like equation runs on its operands (same arity), or ``None``."""
-    for value in eqn.params.values():
-        j = _open(value)
-        if hasattr(j, "eqns") and len(j.invars) == len(eqn.invars) and len(j.outvars) == len(eqn.outvars):
-            return value
-    return None
+    """The program a call-like equation runs on its operands (``_engine.call_program``), or ``None``."""
+    found = _engine.call_program(eqn, forward=True)
+    return None if found is None else found[1]
 
 
 def _eqn(eqn: Any, axes: list, seed: Any) -> list:

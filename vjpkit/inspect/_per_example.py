@@ -296,30 +296,20 @@ def _span(eqn: Any) -> Any:
     return None if source is None else source(eqn)
 
 
-def _sub_jaxprs(params: dict) -> list:
-    subs = []
-    for v in params.values():
-        for s in v if isinstance(v, (tuple, list)) else [v]:
-            if isinstance(s, jcore.ClosedJaxpr):
-                subs.append(s.jaxpr)
-            elif isinstance(s, jcore.Jaxpr):
-                subs.append(s)
-    return subs
+def _call_program(eqn: Any) -> Any:
+    """The open program a call-like equation runs on its operands as they are, or ``None``."""
+    found = _engine.call_program(eqn)
+    return None if found is None else getattr(found[1], "jaxpr", found[1])
 
 
 def _has_calls(jaxpr: Any, cache: dict) -> bool:
     """Whether a layer call runs anywhere inside ``jaxpr``."""
     if id(jaxpr) not in cache:
         cache[id(jaxpr)] = any(
-            _span(e) is not None or any(_has_calls(j, cache) for j in _sub_jaxprs(e.params))
+            _span(e) is not None or any(_has_calls(j, cache) for j in _engine.sub_programs(e.params))
             for e in jaxpr.eqns
         )
     return cache[id(jaxpr)]
-
-
-# primitives whose one sub-program takes the operands as they are: walked through
-_TRANSPARENT = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-                "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr"}  # fmt: skip
 
 
 def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict) -> list:
@@ -359,8 +349,7 @@ def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict
             if _has_calls(span.jaxpr.jaxpr, cache):  # a parent module: its own code may use them too
                 _walk_uses(span.jaxpr.jaxpr, ins, span.name, out, cache)
             continue
-        sub = eqn.params.get(_TRANSPARENT.get(eqn.primitive.name, ""))
-        sub = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+        sub = _call_program(eqn)
         if isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
             for v, t in zip(eqn.outvars, _walk_uses(sub, ins, where, out, cache)):
                 if t is not None:
@@ -405,8 +394,7 @@ def _batched_calls(jaxpr: Any, tainted: list, out: set, cache: dict) -> list:
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
         span = _span(eqn)
-        sub = None if span is not None else eqn.params.get(_TRANSPARENT.get(eqn.primitive.name, ""))
-        sub = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+        sub = None if span is not None else _call_program(eqn)
         if span is not None:
             if any(ins):
                 out.add(id(eqn))
