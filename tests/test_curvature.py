@@ -881,9 +881,11 @@ def test_cond_takes_the_statistics_of_the_taken_branch(jit_or_eager, f64):
             assert np.all(np.isnan(np.asarray(leaf))), (other, leaf)
 
 
-def test_a_weight_used_twice_has_statistics_per_call(jit_or_eager, f64):
-    """Each call of a shared weight (``fc``, ``fc#1``) has its own statistics (docs/curvature.md):
-    those of the same program with the weight untied into two copies, one per call."""
+def test_a_weight_used_twice_has_factors_per_call(jit_or_eager, f64):
+    """Each call of a shared weight (``fc``, ``fc#1``) has its own K-FAC factors (docs/curvature.md):
+    those of the same program with the weight untied into two copies, one per call. Its
+    per-example statistics are the weight's, the same in both entries (their exactness against
+    the brute-force GGN: tests/test_curvature_shared.py)."""
     rng = np.random.default_rng(17)
     p = {
         "fc": {"w": _normal(rng, 4, 4, scale=0.6), "b": _normal(rng, 4)},
@@ -897,7 +899,14 @@ def test_a_weight_used_twice_has_statistics_per_call(jit_or_eager, f64):
     )
     assert set(captured) == {"fc", "fc#1", "head"}
     refs = references(untied, "ce_int", {**p, "again": p["fc"]}, x, y)
-    check_exact({"fc": captured["fc"], "again": captured["fc#1"], "head": captured["head"]}, refs)
+    check_exact({"head": captured["head"]}, {"head": refs["head"]})
+    for key, ref in (("fc", refs["fc"]), ("fc#1", refs["again"])):
+        tree_allclose(np.asarray(captured[key].kflr.A), ref["A"], **F64)
+        tree_allclose(np.asarray(captured[key].kflr.G), ref["G"], **F64)
+        tree_allclose(np.asarray(captured[key].kfac_empirical.G), ref["G_emp"], **F64)
+    for stat in ("diag_ggn", "sum_grad_squared", "batch_l2"):
+        tree_allclose(getattr(captured["fc"], stat), getattr(captured["fc#1"], stat), **F64)
+        assert not np.allclose(getattr(captured["fc"], stat)["w"], refs["fc"][stat]["w"])  # not one call's
 
 
 @pytest.mark.parametrize("wrap", ["checkpoint", pytest.param("inner_jit", marks=SLOW)])

@@ -245,6 +245,68 @@ def layer_stats(
     return LayerCurvature(**out, layout=layout)
 
 
+def shared_stats(which: Sequence[str], calls: Sequence[tuple], n: int) -> dict[str, Any]:
+    """The per-example statistics ``which`` of ONE weight (and bias) used by several dense calls
+    with one layout: each example's gradient is the sum of the calls' (``vjpkit.stats`` keeps
+    the cross terms), so ``diag_ggn`` is the diagonal of that weight's whole GGN, not the sum of
+    the calls' own diagonals. ``calls``: per call ``(layout, params, grad_params, x, d, exact,
+    mc)`` as ``layer_stats`` takes them (examples on axis 0). Returns ``{field: {leaf key:
+    array}}`` keyed by the first call's params keys."""
+    layout, params = calls[0][0], calls[0][1]
+    w_shape = tuple(params[layout.weight].shape)
+    n_in, n_out = layout.matrix_shape(w_shape)
+    dtype = stats_dtype(calls[0][3].dtype)
+    rows_in = [_rows_in(lay, x.astype(dtype), w_shape) for lay, _, _, x, _, _, _ in calls]
+    bias = layout.bias is not None
+
+    ds = [c[4] for c in calls]
+
+    def rows(g, k):  # call k's (..., N or rows, ..., out) -> (..., N, T, out)
+        lead = g.ndim - ds[k].ndim
+        return g.astype(dtype).reshape(*g.shape[:lead], rows_in[k].shape[0], -1, n_out)
+
+    def matrices(gs):  # one seed's Rows of every call: weight and bias
+        w = [statslayer.Rows(a, g, (0,), (1,), (n_in, n_out)) for a, g in zip(rows_in, gs)]
+        b = [statslayer.Rows.bias(g, (n_out,)) for g in gs]
+        return w, b
+
+    def square_sum(seeds):  # seeds per call (K, N, T, out): sum over seeds of sum_n (sum_c J)^2
+        def body(acc, gs):
+            w, b = matrices(gs)
+            return (acc[0] + statslayer.sum_sq(w), acc[1] + statslayer.sum_sq(b)), None
+
+        zero = (jnp.zeros((n_in, n_out), dtype), jnp.zeros((n_out,), dtype))
+        stacked = [rows(sd, k) for k, sd in enumerate(seeds)]
+        if stacked[0].shape[0] == 1:
+            return body(zero, [g[0] for g in stacked])[0]
+        return lax.scan(body, zero, stacked)[0]
+
+    def as_params(w_mat, b_vec):
+        tree = {layout.weight: layout.from_matrix(w_mat, w_shape)}
+        if bias:
+            tree[layout.bias] = b_vec.reshape(params[layout.bias].shape)
+        return tree
+
+    out: dict[str, Any] = {}
+    for name, pos in (("diag_ggn", 5), ("diag_ggn_mc", 6)):
+        if name in which:
+            out[name] = as_params(*square_sum([c[pos] for c in calls]))
+    if "sum_grad_squared" in which or "backpack_variance" in which:
+        sgs = as_params(*square_sum([d[None] for d in ds]))
+        if "sum_grad_squared" in which:
+            out["sum_grad_squared"] = sgs
+        if "backpack_variance" in which:
+            total = {k: sum(c[2][k].astype(dtype) for c in calls) for k in sgs}
+            out["backpack_variance"] = {k: _variance(sgs[k], total[k], n) for k in sgs}
+    if "batch_l2" in which:
+        w, b = matrices([rows(d, k) for k, d in enumerate(ds)])
+        out["batch_l2"] = {
+            layout.weight: statslayer.sq_norms(w),
+            **({layout.bias: statslayer.sq_norms(b)} if bias else {}),
+        }
+    return out
+
+
 def _variance(sgs: jax.Array, grad: jax.Array, n: int) -> jax.Array:
     """BackPACK's ``Variance``: ``(1/N) sum_n g_n^2 - ((1/N) sum_n g_n)^2`` of the per-example
     gradients ``g_n = grad l_n / N`` (``sgs = sum_n g_n^2``, ``grad = sum_n g_n``)."""

@@ -32,7 +32,7 @@ from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
 from .._names import matches_any
 from . import _examples, _losses
-from ._stats import DIAGONAL, FACTORS, FIRST_ORDER, StatsSpec, layer_stats, local_stats
+from ._stats import DIAGONAL, FACTORS, FIRST_ORDER, StatsSpec, layer_stats, local_stats, shared_stats
 from ._types import LayerCurvature, Layout
 
 
@@ -155,6 +155,7 @@ def transform(
             result_captured[k] = _stacked_stats(
                 spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k, axis
             )
+        _share(traced, captured, result_captured, specs, exact, mc, n, paths, name)
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
             result = ((value, aux), user_grads) if has_aux else (value, user_grads)
@@ -163,6 +164,46 @@ def transform(
         return result, result_captured
 
     return run
+
+
+def _share(traced, captured, result, specs, exact, mc, n, paths, transform) -> None:
+    """A dense weight used by several calls (outside ``lax.scan``): its per-example statistics
+    are the weight's, each example's gradient the sum of the calls' (cross terms kept), the same
+    in every call's entry (``_stats.shared_stats``); the K-FAC factors stay per call."""
+    groups: dict[Any, list] = {}
+    for k, stats in result.items():
+        site = traced.plan.by_key[k]
+        layout = getattr(stats, "layout", None)
+        known = isinstance(layout, Layout) and layout.weight_leaf is not None  # the leaf it reads
+        if known and layout.kind == "dense" and not site.scans:
+            groups.setdefault(layout, []).append(k)
+
+    def spec_of(site):
+        return next(s for s in specs if matches_any(site.name, site.call, s.layers))
+
+    for layout, keys in groups.items():
+        asked = [{w for w in spec_of(traced.plan.by_key[k]).which if w not in FACTORS} for k in keys]
+        which = sorted(set.intersection(*asked))
+        if len(keys) < 2 or not which:
+            continue
+        calls = []
+        for k in keys:
+            site, rec = traced.plan.by_key[k], captured[k]
+            spec = spec_of(site)
+            axis = _example_axis(traced, site, layout, spec, n, transform)
+            x, d = jnp.moveaxis(rec.input, axis, 0), jnp.moveaxis(rec.grad_output, axis, 0)
+            ex = None if exact is None else jnp.moveaxis(exact[k].grad_output, axis + 1, 1)
+            sm = None if mc is None else jnp.moveaxis(mc[k].grad_output, axis + 1, 1)
+            g = _flat(rec.grad_params) if rec.grad_params is not None else {}
+            calls.append((layout, _flat(rec.params), g, x, d, ex, sm))
+        shared = shared_stats(which, calls, n)
+        for k in keys:
+            params = captured[k].params
+            back = {
+                f: jax.tree_util.tree_map_with_path(lambda kp, _, v=v: v.get(_format.path(kp)), params)
+                for f, v in shared.items()
+            }
+            result[k] = dataclasses.replace(result[k], **back)
 
 
 def _takes_key(fun: Callable) -> bool:
