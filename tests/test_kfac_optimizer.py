@@ -618,3 +618,22 @@ def test_a_step_without_statistics_uses_the_cached_inverses():
     tree_allclose(kept.factors, state.factors)
     tree_allclose(kept.inverses, state.inverses)
     assert int(kept.count) == int(state.count) + 1
+
+
+@pytest.mark.parametrize("solver", ["inverse", "eigh"])
+def test_a_jitted_first_update_without_statistics_is_nan_not_sgd(solver):
+    """Under ``jax.jit`` the count is not known at trace time, so a first update without
+    ``curvature=`` cannot raise: its updates are NaN (loud: a training loop stops on them), never
+    the plain momentum-SGD step; eagerly it is a ``ConfigError``; with statistics it is finite."""
+    like, params = _like(), _params32()
+    opt = kfac(0.1, like=like, solver=solver)
+    state = opt.init(params)
+    updates, _ = jax.jit(lambda g, s, p: opt.update(g, s, p))(params, state, params)
+    assert all(np.all(np.isnan(np.asarray(u))) for u in jax.tree.leaves(updates))
+    with pytest.raises(ConfigError, match="first update"):
+        opt.update(params, state, params)
+    step = jax.jit(lambda g, s, p, c: opt.update(g, s, p, curvature=c))
+    updates, state = step(params, state, params, like)
+    assert all(np.all(np.isfinite(np.asarray(u))) for u in jax.tree.leaves(updates))
+    later, _ = jax.jit(lambda g, s, p: opt.update(g, s, p))(params, state, params)  # cached inverses
+    assert all(np.all(np.isfinite(np.asarray(u))) for u in jax.tree.leaves(later))

@@ -31,8 +31,9 @@ inverts and applies them.
 * A step without statistics (``update(..., curvature=None)``, the statistics computed only every
   few steps to save their cost) keeps the EMA and preconditions with the cached inverses; the
   first update needs statistics: without them it is a ``ConfigError`` when the state's count
-  is concrete (an eager call), and ``vk.train.make_step`` / ``fit`` refuse a K-FAC optimizer
-  without a ``vk.curvature.stats`` capture. ``like={}`` is an error.
+  is concrete (an eager call), and under ``jax.jit`` its updates are NaN (the inverses start as
+  NaN until the first statistics), never momentum SGD; ``vk.train.make_step`` / ``fit`` refuse a
+  K-FAC optimizer without a ``vk.curvature.stats`` capture. ``like={}`` is an error.
 * Inverses are recomputed from the EMA when ``count % update_every == 0`` (``lax.cond``; the
   first step always), else the cached ones are reused: an ``"inverse"`` step between refreshes
   costs two matmuls per layer.
@@ -397,7 +398,9 @@ def kfac(
         warn_unpreconditioned()
         # built in NumPy and transferred: no small program to compile per shape at init
         zeros = lambda *shape, dtype: jnp.asarray(np.zeros(shape, dtype))
-        eye = lambda lead, n, dtype: jnp.asarray(np.broadcast_to(np.eye(n, dtype=dtype), (*lead, n, n)))
+        # no inverses before the first statistics: NaN, so that a first update without them under
+        # jax.jit (where the count is not known) gives NaN updates, never silent momentum SGD
+        eye = lambda lead, n, dtype: jnp.asarray(np.full((*lead, n, n), np.nan, dtype))
         factors = {
             b.key: Factors(
                 zeros(*b.lead, b.d_a, b.d_a, dtype=b.dtype), zeros(*b.lead, b.d_g, b.d_g, dtype=b.dtype)
