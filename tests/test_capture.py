@@ -338,3 +338,35 @@ def test_no_retracing_with_capture():
     for i in range(4):
         step(params, x + i, y)
     assert len(traces) == 1  # one trace serves discovery, capture and the gradient, once
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32", "complex64"])
+@pytest.mark.parametrize(
+    "reduce", [None, "norm", ["mean", "var", "min", "max", "nonfinite_count"], "histogram"]
+)
+def test_reduced_shapes_without_tracing_equal_eval_shape(dtype, reduce):
+    """The plan reads a captured record's reduced shapes without tracing the reduction
+    (``reduce_record(..., shapes=True)``): they are what ``jax.eval_shape`` of it gives."""
+    from vjpkit._capture import reduce_record
+    from vjpkit._records import Cotangents
+
+    if reduce == "histogram":
+        reduce = vk.histogram(8, (-1.0, 1.0))
+    if dtype == "complex64" and reduce not in (None, "norm"):
+        return  # only norm and whole arrays are defined for complex leaves
+    sds = jax.ShapeDtypeStruct
+    rec = Cotangents(
+        name="fc",
+        call=0,
+        params={"w": sds((3, 4), dtype), "b": sds((4,), dtype)},
+        input=sds((5, 3), dtype),
+        output=sds((5, 4), dtype),
+        grad_output=sds((5, 4), dtype),
+        grad_input=None,
+        grad_params={"w": sds((3, 4), dtype), "b": sds((4,), dtype)},
+    )
+    spec = vk.capture("fc", fields=["input", "grad_output", "grad_params"], reduce=reduce)
+    want = jax.eval_shape(lambda r: reduce_record(r, spec), rec)
+    got = reduce_record(rec, spec, shapes=True)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert jax.tree.leaves(got) == jax.tree.leaves(want)

@@ -197,7 +197,9 @@ def as_specs(value: Any, transform: str) -> tuple[CaptureSpec, ...]:
 _COMPLEX_OK = ("norm", "nonfinite_count")
 
 
-def _reduce_leaf(x: Any, reductions: tuple[Any, ...], where: str) -> Any:
+def _reduce_leaf(x: Any, reductions: tuple[Any, ...], where: str, shapes: bool = False) -> Any:
+    """``x`` reduced by each of ``reductions``; with ``shapes``, the results' shapes (every
+    reduction gives a float32 scalar, a histogram its ``(bins,)`` counts), nothing traced."""
     if jnp.iscomplexobj(x):
         bad = [r if isinstance(r, str) else r.name for r in reductions if r not in _COMPLEX_OK]
         if bad:
@@ -208,6 +210,8 @@ def _reduce_leaf(x: Any, reductions: tuple[Any, ...], where: str) -> Any:
             )
 
     def one(r):
+        if shapes:
+            return jax.ShapeDtypeStruct((r.bins,) if isinstance(r, histogram) else (), jnp.float32)
         return r(x) if isinstance(r, histogram) else REDUCTIONS[r](x)
 
     if len(reductions) == 1:
@@ -215,8 +219,12 @@ def _reduce_leaf(x: Any, reductions: tuple[Any, ...], where: str) -> Any:
     return {r if isinstance(r, str) else r.name: one(r) for r in reductions}
 
 
-def reduce_record(rec: Cotangents, spec: CaptureSpec) -> Cotangents:
-    """The record with only ``spec.fields`` kept, each array leaf reduced by ``spec.reduce``."""
+def reduce_record(rec: Cotangents, spec: CaptureSpec, shapes: bool = False) -> Cotangents:
+    """The record with only ``spec.fields`` kept, each array leaf reduced by ``spec.reduce``.
+
+    With ``shapes``, ``rec`` holds ``ShapeDtypeStruct`` s and the result is the reduced record's
+    shapes, without tracing (as ``jax.eval_shape`` of the reduction gives them, at a fraction of
+    its cost: the plan asks once per captured call)."""
     changes = {}
     for field in FIELDS:
         value = getattr(rec, field)
@@ -228,6 +236,7 @@ def reduce_record(rec: Cotangents, spec: CaptureSpec) -> Cotangents:
                     x,
                     spec.reduce,
                     f"layer {rec.name!r} (call {rec.call}), {field}{jax.tree_util.keystr(path)}",
+                    shapes,
                 ),
                 value,
             )

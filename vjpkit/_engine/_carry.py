@@ -67,7 +67,7 @@ def decode(c: jax.Array, dtype: Any, lead: int) -> jax.Array:
 def slot_avals(record: Cotangents, spec: Any, n_host: int = 0) -> dict:
     """The probe's (unstacked) shape tree: the captured record for ``spec``, and ``n_host``
     whole records for the call's ``vk.on_host`` hooks."""
-    reduced = jax.eval_shape(lambda r: reduce_record(r, spec), record) if spec is not None else None
+    reduced = reduce_record(record, spec, shapes=True) if spec is not None else None
     return {
         "captured": jax.tree.map(_carried, reduced),
         "dtypes": jax.tree.map(lambda a: a.dtype, reduced),
