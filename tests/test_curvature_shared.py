@@ -119,3 +119,41 @@ def test_first_order_statistics_of_a_shared_weight_equal_vmap_grad():
             np.testing.assert_allclose(cap[key].batch_l2[leaf], l2, rtol=1e-10, atol=1e-15)
             np.testing.assert_allclose(cap[key].backpack_variance[leaf], var, rtol=1e-10, atol=1e-15)
         np.testing.assert_allclose(grads["w"][leaf], g.sum(0), rtol=1e-10)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_weight_closed_over_by_a_scan_has_its_whole_diagonal(jit):
+    """An RNN's recurrent weight, the same in every step (a ``lax.scan`` closing over it): each
+    iteration is one more call, and every iteration's entry holds the weight's whole diagonal."""
+    rng = np.random.default_rng(1)
+    steps = 3
+    params = {"w": rng.standard_normal((D, D)) * 0.5, "head": {"w": rng.standard_normal((D, C)) * 0.5}}
+    xs = rng.standard_normal((steps, N, D))
+    y = rng.integers(0, C, N)
+
+    def rnn(p, xs):
+        h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ p["w"] + x), None), jnp.zeros((N, D)), xs)
+        return h @ p["head"]["w"]
+
+    def rnn_loss(p, xs, y):
+        return vk.curvature.softmax_cross_entropy(rnn(p, xs), y)
+
+    g = vk.grad(rnn_loss, capture=vk.curvature.stats("*", ["diag_ggn", "sum_grad_squared"]))
+    _, cap = (jax.jit(g) if jit else g)(params, xs, y)
+    (key,) = [k for k in cap if cap[k].layout.weight_leaf == (jax.tree_util.DictKey("w"),)]
+    assert cap[key].layout.scans == "c"
+    jac = jax.jacobian(lambda w: rnn({**params, "w": w}, xs))(params["w"]).reshape(N, C, -1)
+    prob = jax.nn.softmax(rnn(params, xs))
+    hess = jax.vmap(lambda q: jnp.diag(q) - jnp.outer(q, q))(prob) / N
+    want = np.diag(jnp.einsum("ncp,ncd,ndq->pq", jac, hess, jac)).reshape(D, D)
+    got = np.asarray(jax.tree.leaves(cap[key].diag_ggn)[0])
+    assert got.shape == (steps, D, D)  # one entry per iteration, each the weight's
+    for t in range(steps):
+        np.testing.assert_allclose(got[t], want, rtol=1e-10, atol=1e-14)
+
+    def one(p, xi, yi):
+        return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(rnn(p, xi[:, None])), yi[None, None], 1))
+
+    per = jax.vmap(jax.grad(one), in_axes=(None, 1, 0))(params, xs, y)["w"] / N
+    sgs = np.asarray(jax.tree.leaves(cap[key].sum_grad_squared)[0])
+    np.testing.assert_allclose(sgs[0], np.sum(np.square(np.asarray(per)), 0), rtol=1e-10, atol=1e-15)

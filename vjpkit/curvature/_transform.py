@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -167,15 +168,16 @@ def transform(
 
 
 def _share(traced, captured, result, specs, exact, mc, n, paths, transform) -> None:
-    """A dense weight used by several calls (outside ``lax.scan``): its per-example statistics
-    are the weight's, each example's gradient the sum of the calls' (cross terms kept), the same
-    in every call's entry (``_stats.shared_stats``); the K-FAC factors stay per call."""
+    """A dense weight used by several calls, or closed over by a ``lax.scan`` (one more call per
+    iteration): its per-example statistics are the weight's, each example's gradient the sum of
+    the calls' (cross terms kept), the same in every call's (and iteration's) entry
+    (``_stats.shared_stats``); the K-FAC factors stay per call."""
     groups: dict[Any, list] = {}
     for k, stats in result.items():
         site = traced.plan.by_key[k]
         layout = getattr(stats, "layout", None)
         known = isinstance(layout, Layout) and layout.weight_leaf is not None  # the leaf it reads
-        if known and layout.kind == "dense" and not site.scans:
+        if known and layout.kind == "dense" and set(layout.scans) <= {"c"}:
             groups.setdefault(layout, []).append(k)
 
     def spec_of(site):
@@ -184,25 +186,43 @@ def _share(traced, captured, result, specs, exact, mc, n, paths, transform) -> N
     for layout, keys in groups.items():
         asked = [{w for w in spec_of(traced.plan.by_key[k]).which if w not in FACTORS} for k in keys]
         which = sorted(set.intersection(*asked))
-        if len(keys) < 2 or not which:
+        iterations = sum(math.prod(traced.plan.by_key[k].scans) for k in keys)
+        if iterations < 2 or not which:
             continue
         calls = []
         for k in keys:
             site, rec = traced.plan.by_key[k], captured[k]
-            spec = spec_of(site)
-            axis = _example_axis(traced, site, layout, spec, n, transform)
-            x, d = jnp.moveaxis(rec.input, axis, 0), jnp.moveaxis(rec.grad_output, axis, 0)
-            ex = None if exact is None else jnp.moveaxis(exact[k].grad_output, axis + 1, 1)
-            sm = None if mc is None else jnp.moveaxis(mc[k].grad_output, axis + 1, 1)
-            g = _flat(rec.grad_params) if rec.grad_params is not None else {}
-            calls.append((layout, _flat(rec.params), g, x, d, ex, sm))
+            axis = _example_axis(traced, site, layout, spec_of(site), n, transform)
+            lead, count = len(site.scans), math.prod(site.scans)
+
+            def each(a, seeds=0, lead=lead, count=count):  # the iterations on one axis (1 outside)
+                return None if a is None else a.reshape(*a.shape[:seeds], count, *a.shape[seeds + lead :])
+
+            ps, gs = _flat(rec.params), _flat(rec.grad_params) if rec.grad_params is not None else {}
+            ex = None if exact is None else each(exact[k].grad_output, 1)
+            sm = None if mc is None else each(mc[k].grad_output, 1)
+            x, d = each(rec.input), each(rec.grad_output)
+            for i in range(count):
+                calls.append(
+                    (
+                        layout,
+                        {p: v.reshape(count, *v.shape[lead:])[i] for p, v in ps.items()},
+                        {p: v.reshape(count, *v.shape[lead:])[i] for p, v in gs.items()},
+                        jnp.moveaxis(x[i], axis, 0),
+                        jnp.moveaxis(d[i], axis, 0),
+                        None if ex is None else jnp.moveaxis(ex[:, i], axis + 1, 1),
+                        None if sm is None else jnp.moveaxis(sm[:, i], axis + 1, 1),
+                    )
+                )
         shared = shared_stats(which, calls, n)
         for k in keys:
             params = captured[k].params
-            back = {
-                f: jax.tree_util.tree_map_with_path(lambda kp, _, v=v: v.get(_format.path(kp)), params)
-                for f, v in shared.items()
-            }
+            back = {}
+            for f, v in shared.items():  # each entry (stacked over its iterations) the weight's
+                tree = jax.tree_util.tree_map_with_path(lambda kp, _, v=v: v.get(_format.path(kp)), params)
+                back[f] = jax.tree.map(
+                    lambda new, old: jnp.broadcast_to(new, old.shape), tree, getattr(result[k], f)
+                )
             result[k] = dataclasses.replace(result[k], **back)
 
 
