@@ -158,3 +158,15 @@ def test_an_iteration_of_a_layer_outside_any_scan_is_a_config_error():
 
     with pytest.raises(vk.ConfigError, match=r"not called inside lax.scan.*Drop the \[0\]"):
         vk.grad(flat, hooks={"blocks[0]": vk.scale(0.5)})(PARAMS, X)
+
+
+def test_one_host_hook_under_two_globs_counts_each_step_once():
+    """``every=2`` counts backward passes: the same ``vk.on_host`` given for one iteration and
+    for the whole layer is counted once per step, not once per glob."""
+    seen = []
+    host = vk.on_host(lambda rec: seen.append(np.shape(rec.grad_output)), every=2)
+    g = jax.jit(vk.grad(scanned, hooks={"blocks[1]": host, "blocks": host}))
+    for _ in range(4):
+        jax.block_until_ready(g(PARAMS, X))
+    # steps 1 and 3 deliver: each time iteration 1 once (its glob) and all L iterations (the other)
+    assert len(seen) == 2 * (1 + L)

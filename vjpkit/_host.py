@@ -193,7 +193,17 @@ def send_records(payload: list, order: list, due: dict, after: jax.Array | None 
     def deliver(tree):
         calls, flags = iter(tree[0]), dict(zip(gated, tree[1]))
         where = _where(tree[2]) if counted else ()
-        passes = {h: bool(flags[_bare(h)]) if _bare(h) in flags else h._count_pass(where) for h in hooks_all}
+        counted_once: dict = {}  # one count per host hook and pass, however many globs give it
+
+        def passes_for(h):
+            bare = _bare(h)
+            if bare in flags:
+                return bool(flags[bare])
+            if bare not in counted_once:
+                counted_once[bare] = bare._count_pass(where)
+            return counted_once[bare]
+
+        passes = {h: passes_for(h) for h in hooks_all}
         for lengths, sharded, hooks_per_call in order:
             group = [(hooks, next(calls)) for hooks in hooks_per_call]
             loops = [1 if s else n for n, s in zip(lengths, sharded)]
