@@ -19,7 +19,7 @@ input and output, which must have ``n`` entries (the examples).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -144,39 +144,80 @@ def _g_factor(gs: jax.Array, conv: bool) -> jax.Array:
     return g.T @ g
 
 
-def _over_seeds(body, zero, seeds: jax.Array) -> Any:
-    """``body``'s accumulation over the seeds on axis 0, one at a time (a ``lax.scan``); one seed
-    (a Monte-Carlo sample, the gradient) without a loop around it."""
-    if seeds.shape[0] == 1:
-        return body(zero, seeds[0])[0]
+def _over_seeds(body, zero, seeds: Any) -> Any:
+    """``body``'s accumulation over the seeds on axis 0 of every leaf of ``seeds``, one at a time
+    (a ``lax.scan``); one seed (a Monte-Carlo sample, the gradient) without a loop around it."""
+    if jax.tree.leaves(seeds)[0].shape[0] == 1:
+        return body(zero, jax.tree.map(lambda s: s[0], seeds))[0]
     return lax.scan(body, zero, seeds)[0]
 
 
-def _rows(a: jax.Array, g: jax.Array) -> list:
-    """The weight's and the bias's ``statslayer.Rows`` in the ``(in, out)`` matrix layout."""
-    return [statslayer.Rows(a, g, (0,), (1,), (a.shape[-1], g.shape[-1]))], [
-        statslayer.Rows.bias(g, (g.shape[-1],))
-    ]
+def _rows(rows_in: Sequence[jax.Array], gs: Sequence[jax.Array]) -> tuple[list, list]:
+    """The weight's and the bias's ``statslayer.Rows`` in the ``(in, out)`` matrix layout, one
+    per call of the weight: rows ``a (N, T, in)`` and cotangents ``g (N, T, out)`` each."""
+    w = [statslayer.Rows(a, g, (0,), (1,), (a.shape[-1], g.shape[-1])) for a, g in zip(rows_in, gs)]
+    return w, [statslayer.Rows.bias(g, (g.shape[-1],)) for g in gs]
 
 
-def _per_example_sq(a: jax.Array, gs: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _per_example_sq(rows_in: Sequence[jax.Array], gs: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Over seeds ``k`` and examples ``n``: ``sum (J_kn)^2`` of the weight matrix ``(in, out)``
-    and of the bias ``(out,)``, where ``J_kn = sum_t a_nt g_knt^T`` (``vjpkit.stats.sum_sq``).
-    ``a (N, T, in)``, ``gs (K, N, T, out)``."""
+    and of the bias ``(out,)``, where ``J_kn = sum_calls sum_t a_nt g_knt^T`` (the calls'
+    contributions summed before squaring, ``vjpkit.stats.sum_sq``). Per call: ``a (N, T, in)``,
+    ``gs (K, N, T, out)``."""
 
     def body(acc, g):  # one seed at a time
-        w, b = _rows(a, g)
+        w, b = _rows(rows_in, g)
         return (acc[0] + statslayer.sum_sq(w), acc[1] + statslayer.sum_sq(b)), None
 
-    zero = (jnp.zeros((a.shape[-1], gs.shape[-1]), a.dtype), jnp.zeros((gs.shape[-1],), a.dtype))
-    return _over_seeds(body, zero, gs)
+    n_in, n_out, dtype = rows_in[0].shape[-1], gs[0].shape[-1], rows_in[0].dtype
+    return _over_seeds(body, (jnp.zeros((n_in, n_out), dtype), jnp.zeros((n_out,), dtype)), list(gs))
 
 
-def _batch_sq_norms(a: jax.Array, d: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per example: ``||sum_t a_t d_t^T||^2`` and ``||sum_t d_t||^2``, each ``(N,)``
-    (``vjpkit.stats.sq_norms``: the ghost norm when ``T^2 <= in * out``)."""
-    w, b = _rows(a, d)
-    return statslayer.sq_norms(w), statslayer.sq_norms(b)
+def _per_example_fields(
+    which: Sequence[str],
+    layout: Layout,
+    params: dict,
+    grad: dict | None,
+    rows_in: Sequence[jax.Array],
+    rows_out: Callable[[jax.Array, int], jax.Array],
+    calls: Sequence[tuple],
+    n: int,
+) -> dict[str, Any]:
+    """The per-example statistics ``which`` of one weight (and bias) from its calls: per call
+    ``(d, exact, mc)`` and its rows ``rows_in``; ``rows_out(g, k)`` lays call ``k``'s cotangents
+    out as ``(..., N, T, out)``; ``grad`` the weight's gradient (the sum over its calls)."""
+    w_shape = tuple(params[layout.weight].shape)
+    bias = layout.bias is not None
+
+    def as_params(w_mat, b_vec):
+        tree = {layout.weight: layout.from_matrix(w_mat, w_shape)}
+        if bias:
+            tree[layout.bias] = b_vec.reshape(params[layout.bias].shape)
+        return tree
+
+    def seeds(pos):  # every call's seeds of one kind, laid out
+        return [rows_out(c[pos], k) for k, c in enumerate(calls)]
+
+    out: dict[str, Any] = {}
+    for name, pos in (("diag_ggn", 1), ("diag_ggn_mc", 2)):
+        if name in which:
+            out[name] = as_params(*_per_example_sq(rows_in, seeds(pos)))
+    if any(s in which for s in FIRST_ORDER):
+        dd = seeds(0)
+        if "sum_grad_squared" in which or "backpack_variance" in which:
+            sgs = as_params(*_per_example_sq(rows_in, [d[None] for d in dd]))
+            if "sum_grad_squared" in which:
+                out["sum_grad_squared"] = sgs
+            if "backpack_variance" in which:
+                dtype = rows_in[0].dtype
+                out["backpack_variance"] = {k: _variance(sgs[k], grad[k].astype(dtype), n) for k in sgs}
+        if "batch_l2" in which:
+            w, b = _rows(rows_in, dd)
+            out["batch_l2"] = {
+                layout.weight: statslayer.sq_norms(w),
+                **({layout.bias: statslayer.sq_norms(b)} if bias else {}),
+            }
+    return out
 
 
 def layer_stats(
@@ -220,28 +261,11 @@ def layer_stats(
                 g = g * jnp.sqrt(jnp.asarray(n, dtype))
             out[name] = Factors(big_a, _g_factor(g, conv))
 
-    def as_params(w_mat, b_vec):
-        tree = {layout.weight: layout.from_matrix(w_mat, w_shape)}
-        if bias:
-            tree[layout.bias] = b_vec.reshape(params[layout.bias].shape)
-        return tree
-
-    for name, seeds in (("diag_ggn", exact), ("diag_ggn_mc", mc)):
-        if name in which:
-            out[name] = as_params(*_per_example_sq(a, rows(seeds)))
-    if any(s in which for s in FIRST_ORDER):
-        dd = rows(d)
-        if "sum_grad_squared" in which or "backpack_variance" in which:
-            sgs = as_params(*_per_example_sq(a, dd[None]))
-            if "sum_grad_squared" in which:
-                out["sum_grad_squared"] = sgs
-            if "backpack_variance" in which:
-                out["backpack_variance"] = jax.tree.map(
-                    lambda s, g: _variance(s, g.astype(dtype), n), sgs, _used(grad_params, sgs)
-                )
-        if "batch_l2" in which:
-            w, b = _batch_sq_norms(a, dd)
-            out["batch_l2"] = {layout.weight: w, **({layout.bias: b} if bias else {})}
+    out.update(
+        _per_example_fields(
+            which, layout, params, grad_params, [a], lambda g, _: rows(g), [(d, exact, mc)], n
+        )
+    )
     return LayerCurvature(**out, layout=layout)
 
 
@@ -254,67 +278,22 @@ def shared_stats(which: Sequence[str], calls: Sequence[tuple], n: int) -> dict[s
     array}}`` keyed by the first call's params keys."""
     layout, params = calls[0][0], calls[0][1]
     w_shape = tuple(params[layout.weight].shape)
-    n_in, n_out = layout.matrix_shape(w_shape)
+    n_out = layout.matrix_shape(w_shape)[1]
     dtype = stats_dtype(calls[0][3].dtype)
-    rows_in = [_rows_in(lay, x.astype(dtype), w_shape) for lay, _, _, x, _, _, _ in calls]
-    bias = layout.bias is not None
+    rows_in = [_rows_in(layout, c[3].astype(dtype), w_shape) for c in calls]
 
-    ds = [c[4] for c in calls]
-
-    def rows(g, k):  # call k's (..., N or rows, ..., out) -> (..., N, T, out)
-        lead = g.ndim - ds[k].ndim
+    def rows_out(g, k):  # call k's (..., N or rows, ..., out) -> (..., N, T, out)
+        lead = g.ndim - calls[k][4].ndim
         return g.astype(dtype).reshape(*g.shape[:lead], rows_in[k].shape[0], -1, n_out)
 
-    def matrices(gs):  # one seed's Rows of every call: weight and bias
-        w = [statslayer.Rows(a, g, (0,), (1,), (n_in, n_out)) for a, g in zip(rows_in, gs)]
-        b = [statslayer.Rows.bias(g, (n_out,)) for g in gs]
-        return w, b
-
-    def square_sum(seeds):  # seeds per call (K, N, T, out): sum over seeds of sum_n (sum_c J)^2
-        def body(acc, gs):
-            w, b = matrices(gs)
-            return (acc[0] + statslayer.sum_sq(w), acc[1] + statslayer.sum_sq(b)), None
-
-        zero = (jnp.zeros((n_in, n_out), dtype), jnp.zeros((n_out,), dtype))
-        stacked = [rows(sd, k) for k, sd in enumerate(seeds)]
-        if stacked[0].shape[0] == 1:
-            return body(zero, [g[0] for g in stacked])[0]
-        return lax.scan(body, zero, stacked)[0]
-
-    def as_params(w_mat, b_vec):
-        tree = {layout.weight: layout.from_matrix(w_mat, w_shape)}
-        if bias:
-            tree[layout.bias] = b_vec.reshape(params[layout.bias].shape)
-        return tree
-
-    out: dict[str, Any] = {}
-    for name, pos in (("diag_ggn", 5), ("diag_ggn_mc", 6)):
-        if name in which:
-            out[name] = as_params(*square_sum([c[pos] for c in calls]))
-    if "sum_grad_squared" in which or "backpack_variance" in which:
-        sgs = as_params(*square_sum([d[None] for d in ds]))
-        if "sum_grad_squared" in which:
-            out["sum_grad_squared"] = sgs
-        if "backpack_variance" in which:
-            total = {k: sum(c[2][k].astype(dtype) for c in calls) for k in sgs}
-            out["backpack_variance"] = {k: _variance(sgs[k], total[k], n) for k in sgs}
-    if "batch_l2" in which:
-        w, b = matrices([rows(d, k) for k, d in enumerate(ds)])
-        out["batch_l2"] = {
-            layout.weight: statslayer.sq_norms(w),
-            **({layout.bias: statslayer.sq_norms(b)} if bias else {}),
-        }
-    return out
+    grad = {key: sum(c[2][key].astype(dtype) for c in calls) for key in calls[0][2]}
+    return _per_example_fields(which, layout, params, grad, rows_in, rows_out, [c[4:] for c in calls], n)
 
 
 def _variance(sgs: jax.Array, grad: jax.Array, n: int) -> jax.Array:
     """BackPACK's ``Variance``: ``(1/N) sum_n g_n^2 - ((1/N) sum_n g_n)^2`` of the per-example
     gradients ``g_n = grad l_n / N`` (``sgs = sum_n g_n^2``, ``grad = sum_n g_n``)."""
     return sgs / n - jnp.square(grad / n)
-
-
-def _used(grad_params: dict, like: dict) -> dict:
-    return {k: grad_params[k] for k in like}
 
 
 # --------------------------------------------------------------------------------------------

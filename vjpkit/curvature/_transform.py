@@ -142,7 +142,7 @@ def transform(
             mc = pulled(_losses.sampled(mark, key, max(s.mc_samples for s in sampled)))
         n = output.shape[0]
         paths = _leaf_paths([args[i] for i in nums], nums)
-        result_captured = {}
+        result_captured, chosen = {}, {}
         for k, rec in captured.items():
             site = traced.plan.by_key[k]
             spec = next((s for s in specs if matches_any(site.name, site.call, s.layers)), None)
@@ -153,10 +153,11 @@ def transform(
                 continue  # no parameters, or a container (its layers have their own statistics)
             rule = _rule(site, paths, spec, name)
             axis = _example_axis(traced, site, rule, spec, n, name)
+            chosen[k] = (spec, axis)
             result_captured[k] = _stacked_stats(
                 spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k, axis
             )
-        _share(traced, captured, result_captured, specs, exact, mc, n, paths, name)
+        _share(traced, captured, result_captured, chosen, exact, mc, n)
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
             result = ((value, aux), user_grads) if has_aux else (value, user_grads)
@@ -167,63 +168,65 @@ def transform(
     return run
 
 
-def _share(traced, captured, result, specs, exact, mc, n, paths, transform) -> None:
+def _share(traced, captured, result, chosen, exact, mc, n) -> None:
     """A dense weight used by several calls, or closed over by a ``lax.scan`` (one more call per
     iteration): its per-example statistics are the weight's, each example's gradient the sum of
     the calls' (cross terms kept), the same in every call's (and iteration's) entry
-    (``_stats.shared_stats``); the K-FAC factors stay per call."""
+    (``_stats.shared_stats``); the K-FAC factors stay per call. ``chosen``: each computed
+    call's ``(spec, example axis)``."""
     groups: dict[Any, list] = {}
     for k, stats in result.items():
-        site = traced.plan.by_key[k]
         layout = getattr(stats, "layout", None)
         known = isinstance(layout, Layout) and layout.weight_leaf is not None  # the leaf it reads
         if known and layout.kind == "dense" and set(layout.scans) <= {"c"}:
             groups.setdefault(layout, []).append(k)
-
-    def spec_of(site):
-        return next(s for s in specs if matches_any(site.name, site.call, s.layers))
-
     for layout, keys in groups.items():
-        asked = [{w for w in spec_of(traced.plan.by_key[k]).which if w not in FACTORS} for k in keys]
-        which = sorted(set.intersection(*asked))
-        iterations = sum(math.prod(traced.plan.by_key[k].scans) for k in keys)
-        if iterations < 2 or not which:
+        which = sorted(set.intersection(*({w for w in chosen[k][0].which if w not in FACTORS} for k in keys)))
+        if sum(math.prod(traced.plan.by_key[k].scans) for k in keys) < 2 or not which:
             continue
         calls = []
         for k in keys:
-            site, rec = traced.plan.by_key[k], captured[k]
-            axis = _example_axis(traced, site, layout, spec_of(site), n, transform)
-            lead, count = len(site.scans), math.prod(site.scans)
+            scans, rec, axis = traced.plan.by_key[k].scans, captured[k], chosen[k][1]
+            lead, count = len(scans), math.prod(scans)
 
-            def each(a, seeds=0, lead=lead, count=count):  # the iterations on one axis (1 outside)
+            def each(a, seeds=0, lead=lead, count=count):  # the iterations on one axis
                 return None if a is None else a.reshape(*a.shape[:seeds], count, *a.shape[seeds + lead :])
 
             ps, gs = _flat(rec.params), _flat(rec.grad_params) if rec.grad_params is not None else {}
+            ps, gs = ({p: each(v) for p, v in tree.items()} for tree in (ps, gs))
+            x, d = each(rec.input), each(rec.grad_output)
             ex = None if exact is None else each(exact[k].grad_output, 1)
             sm = None if mc is None else each(mc[k].grad_output, 1)
-            x, d = each(rec.input), each(rec.grad_output)
             for i in range(count):
-                calls.append(
-                    (
-                        layout,
-                        {p: v.reshape(count, *v.shape[lead:])[i] for p, v in ps.items()},
-                        {p: v.reshape(count, *v.shape[lead:])[i] for p, v in gs.items()},
-                        jnp.moveaxis(x[i], axis, 0),
-                        jnp.moveaxis(d[i], axis, 0),
-                        None if ex is None else jnp.moveaxis(ex[:, i], axis + 1, 1),
-                        None if sm is None else jnp.moveaxis(sm[:, i], axis + 1, 1),
-                    )
+                fields = _examples_first(
+                    axis, x[i], d[i], None if ex is None else ex[:, i], None if sm is None else sm[:, i]
                 )
+                slices = ({p: v[i] for p, v in tree.items()} for tree in (ps, gs))
+                calls.append((layout, *slices, *fields))
         shared = shared_stats(which, calls, n)
         for k in keys:
-            params = captured[k].params
-            back = {}
-            for f, v in shared.items():  # each entry (stacked over its iterations) the weight's
-                tree = jax.tree_util.tree_map_with_path(lambda kp, _, v=v: v.get(_format.path(kp)), params)
-                back[f] = jax.tree.map(
-                    lambda new, old: jnp.broadcast_to(new, old.shape), tree, getattr(result[k], f)
-                )
-            result[k] = dataclasses.replace(result[k], **back)
+            rekeyed = _rekey(LayerCurvature(**shared, layout=layout), captured[k].params)
+            result[k] = dataclasses.replace(
+                result[k],
+                **{  # each entry (stacked over its iterations) holds the weight's
+                    f: jax.tree.map(
+                        lambda new, old: jnp.broadcast_to(new, old.shape),
+                        getattr(rekeyed, f),
+                        getattr(result[k], f),
+                    )
+                    for f in shared
+                },
+            )
+
+
+def _examples_first(axis: int, x, d, ex, sm) -> tuple:
+    """A dense call's input and output cotangents with the examples moved from ``axis`` to 0,
+    and its seeds' (seed axis first) to 1."""
+    if not axis:
+        return x, d, ex, sm
+    ex = None if ex is None else jnp.moveaxis(ex, axis + 1, 1)
+    sm = None if sm is None else jnp.moveaxis(sm, axis + 1, 1)
+    return jnp.moveaxis(x, axis, 0), jnp.moveaxis(d, axis, 0), ex, sm
 
 
 def _takes_key(fun: Callable) -> bool:
@@ -297,10 +300,8 @@ def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key, axis=0) -> Any:
     where = f"layer {key!r}"
 
     def one(params, grad_params, x, d, ex, sm):
-        if isinstance(rule, Layout) and axis:
-            x, d = jnp.moveaxis(x, axis, 0), jnp.moveaxis(d, axis, 0)
-            ex = None if ex is None else jnp.moveaxis(ex, axis + 1, 1)
-            sm = None if sm is None else jnp.moveaxis(sm, axis + 1, 1)
+        if isinstance(rule, Layout):
+            x, d, ex, sm = _examples_first(axis, x, d, ex, sm)
         if isinstance(rule, Layout):
             g_flat = _flat(grad_params) if grad_params is not None else {}
             stats = layer_stats(which, rule, _flat(params), g_flat, x, d, ex, sm, n, where)
