@@ -127,20 +127,13 @@ def trace(
     try:
         closed, shape = jax.make_jaxpr(marked, return_shape=True)(*leaves)
     except Exception:
-        if not eager:
-            raise
         # Some programs cannot be evaluated at trace time (JAX inserts a pvary into the
-        # constants of a jax.shard_map body): traced as under jit, as jax.grad would be.
-        try:
-            closed, shape = jax.make_jaxpr(functools.partial(marked, eager=False), return_shape=True)(*leaves)
-        except VjpkitError:  # vjpkit's own error about the function: the one to show
+        # constants of a jax.shard_map body): traced as under jit, as jax.grad would be; if that
+        # fails too, the first error stands
+        retraced = _as_under_jit(marked, leaves) if eager else None
+        if retraced is None:
             raise
-        except Exception:
-            raise_first = True
-        else:
-            raise_first = False
-        if raise_first:
-            raise
+        closed, shape = retraced
     closed = _fori.hoist(closed)  # fori_loop's W[i] as the scan's xs, as lax.scan(body, x, W)
     other: list = []
     if config.match:
@@ -154,6 +147,17 @@ def trace(
     if check:
         config.check_matched(plan.names)
     return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)), other)
+
+
+def _as_under_jit(marked: Callable, leaves: list) -> tuple | None:
+    """``make_jaxpr`` of ``marked`` traced without evaluating at trace time, or ``None`` when
+    that fails too (vjpkit's own errors, which say what is wrong with the function, propagate)."""
+    try:
+        return jax.make_jaxpr(functools.partial(marked, eager=False), return_shape=True)(*leaves)
+    except VjpkitError:
+        raise
+    except Exception:
+        return None
 
 
 def require_unsharded(traced: Traced, what: str) -> None:

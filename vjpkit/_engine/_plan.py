@@ -60,14 +60,14 @@ class Site:
             unchanged), a ``Scanned`` under ``lax.scan`` (the input given to the enclosing
             scans, sliced or closed over by each), or ``None`` (computed, constant, carried,
             or inside a ``cond`` branch).
-        scans: lengths of the enclosing ``lax.scan`` s, outermost first.
+        loops: the paths of the enclosing scans and ``jax.shard_map`` s, outermost first.
         in_cond: inside a ``lax.cond`` branch.
-        stack: the sizes of the enclosing scans (lengths) and ``jax.shard_map`` s (shards),
-            outermost first: the leading axes of the call's probes and records; sharded: per
-            entry, whether it is a shard_map; loops: their paths.
         record: the record's fields as ``ShapeDtypeStruct`` trees (unstacked).
         state: the hook state's ``ShapeDtypeStruct`` tree, or ``None`` when stateless.
         slot: the probe's carried ``ShapeDtypeStruct`` tree (the handlers' parts), or ``None``.
+        stack: the sizes of the enclosing scans (lengths) and shard_maps (shards), outermost
+            first: the leading axes of the call's probes and records; sharded: per entry,
+            whether it is a shard_map. ``scans`` and ``shards`` are their two parts.
     """
 
     key: str
@@ -81,7 +81,6 @@ class Site:
     host: tuple
     flags: tuple
     origins: tuple
-    scans: tuple
     loops: tuple
     in_cond: bool
     record: Cotangents
@@ -94,6 +93,11 @@ class Site:
     def gated(self) -> bool:
         """Whether a hook of the call runs on some scan iterations only (a glob ``name[i]``)."""
         return any(isinstance(h, at_iteration) for h in self.hooks)
+
+    @property
+    def scans(self) -> tuple:
+        """The lengths of the enclosing ``lax.scan`` s, outermost first."""
+        return tuple(n for n, s in zip(self.stack, self.sharded) if not s)
 
     @property
     def shards(self) -> tuple:
@@ -226,7 +230,7 @@ class Plan:
         loops = tuple(q for q, _, _ in at.stack)
         p = at.path
         site = Site(
-            key, name, call, p, span, eqn, hooks, spec, host, tuple(ins), tuple(orig), lengths, loops,
+            key, name, call, p, span, eqn, hooks, spec, host, tuple(ins), tuple(orig), loops,
             at.in_cond, record, state, slot, stack, sharded
         )  # fmt: skip
         if key in self.by_key:  # the same call in another branch of a lax.cond

@@ -38,12 +38,16 @@ class At(NamedTuple):
     registering."""
 
     path: tuple
-    scans: tuple = ()  # ((path, length), ...) of the enclosing lax.scan s, outermost first
     # ((path, size, is a shard_map), ...): every enclosing scan (size: its length) and shard_map
     # (size: its shards), outermost first; a call's probes and records are stacked over them
     stack: tuple = ()
     in_cond: bool = False
     register: bool = True
+
+    @property
+    def scans(self) -> tuple:
+        """``((path, length), ...)`` of the enclosing ``lax.scan`` s, outermost first."""
+        return tuple((q, n) for q, n, sharded in self.stack if not sharded)
 
     def to(self, path: tuple, **changes: Any) -> At:
         return self._replace(path=path, **changes)
@@ -119,7 +123,7 @@ def _plan_scan(planner, eqn, ins, at):
             break
         carry = new
     n = eqn.params["length"]
-    inner = at._replace(scans=(*at.scans, (at.path, n)), stack=(*at.stack, (at.path, n, False)))
+    inner = at._replace(stack=(*at.stack, (at.path, n, False)))
     # the leaves given as consts or xs, tagged so (Scanned)
     tagged = [scanned(o, "c") for o in orig[:nc]] + [None] * ncar
     tagged += [scanned(o, "s") for o in orig[nc + ncar :]]
