@@ -975,12 +975,18 @@ def _norm_model(norm: nn.Layer):
     return loss, model.init(jax.random.key(0), x), x, y
 
 
-def test_layer_without_a_rule_names_layer_kind_and_statistic():
-    """K-FAC factors of a norm or an embedding: the error names the layer, its kind, the
-    statistic and the way out (its diagonal, or leaving it out of the globs)."""
+def test_layer_without_a_rule_answers_kfac_with_its_diagonal_block():
+    """K-FAC fields of a norm or an embedding (no Kronecker rule): their diagonal block of the
+    same curvature, ``kflr``'s equal to ``diag_ggn``, ``kfac_empirical``'s to
+    ``N * sum_grad_squared`` (the empirical Fisher of the mean loss)."""
     loss, params, x, y = _norm_model(nn.rms_norm())
-    with pytest.raises(vk.ConfigError, match=r"(?s)'ln'.*affine norm.*\['kfac_empirical'\].*diag"):
-        jax.jit(vk.grad(loss, capture=vk.curvature.stats("*", ["diag_ggn", "kfac_empirical"])))(params, x, y)
+    spec = vk.curvature.stats("*", ["diag_ggn", "kflr", "sum_grad_squared", "kfac_empirical"])
+    _, captured = jax.jit(vk.grad(loss, capture=spec))(params, x, y)
+    ln = captured["ln"]
+    assert isinstance(ln.kflr, vk.curvature.Diagonal) and ln.layout.kind == "local"
+    tree_allclose(ln.kflr.diagonal, ln.diag_ggn)
+    n = x.shape[0]
+    tree_allclose(ln.kfac_empirical.diagonal, jax.tree.map(lambda s: n * s, ln.sum_grad_squared))
     _, captured = jax.jit(vk.grad(loss, capture=vk.curvature.stats("fc", "kflr")))(
         params, x, y
     )  # left out: fine
@@ -990,8 +996,10 @@ def test_layer_without_a_rule_names_layer_kind_and_statistic():
     emb = {"emb": {"table": jnp.ones((5, 3), jnp.float32)}, "fc": fc}
     ids = jnp.asarray([0, 1, 4, 2], jnp.int32)
     loss_e = lambda q, ids, y: vk.curvature.softmax_cross_entropy(dense(q["fc"], q["emb"]["table"][ids]), y)
-    with pytest.raises(vk.ConfigError, match=r"(?s)'emb'.*kind.*\['kflr'\].*diag"):
-        jax.jit(vk.grad(loss_e, capture=vk.curvature.stats("*", "kflr")))(emb, ids, y)
+    _, captured = jax.jit(vk.grad(loss_e, capture=vk.curvature.stats("*", ["kflr", "diag_ggn"])))(emb, ids, y)
+    assert isinstance(captured["emb"].kflr, vk.curvature.Diagonal)
+    tree_allclose(captured["emb"].kflr.diagonal, captured["emb"].diag_ggn)
+    assert captured["emb"].layout.leaves == (("table", (DictKey("emb"), DictKey("table"))),)
 
 
 def test_nn_embedding_is_not_read_as_dense():
@@ -1003,10 +1011,12 @@ def test_nn_embedding_is_not_read_as_dense():
     assert captured["emb"].diag_ggn["weight"].shape == (5, 3)
 
 
-def test_layer_norm_error_names_its_kind():
+def test_layer_norm_kflr_is_its_diagonal_block():
     loss, params, x, y = _norm_model(nn.layer_norm())
-    with pytest.raises(vk.ConfigError, match=r"(?s)'ln'.*affine norm.*\['kflr'\]"):
-        jax.jit(vk.grad(loss, capture=vk.curvature.stats("*", "kflr")))(params, x, y)
+    spec = vk.curvature.stats("*", ["kflr", "diag_ggn"])
+    _, captured = jax.jit(vk.grad(loss, capture=spec))(params, x, y)
+    assert isinstance(captured["ln"].kflr, vk.curvature.Diagonal)
+    tree_allclose(captured["ln"].kflr.diagonal, captured["ln"].diag_ggn)
 
 
 def test_hooks_with_stats_are_refused(f64):

@@ -343,7 +343,7 @@ def test_state_layout_and_refresh_schedule():
     assert int(state.count) == 7
 
     eigh = kfac(0.05, like=like, solver="eigh").init(params)
-    u_a, s_a, u_g, s_g = eigh.inverses["fc2"]
+    u_a, s_a, u_g, s_g, _ = eigh.inverses["fc2"]  # and the damping
     assert (u_a.shape, s_a.shape, u_g.shape, s_g.shape) == ((6, 6), (6,), (4, 4), (4,))
 
 
@@ -444,8 +444,9 @@ def test_layer_without_leaf_path_and_uncovered_leaf_get_sgd():
     with pytest.warns(UserWarning) as caught:
         state = opt.init(params)
     messages = [str(w.message) for w in caught]
-    assert len(messages) == 2, messages
+    assert len(messages) == 3, messages
     assert any("'scan/stack'" in m for m in messages) and any("'head'" in m for m in messages)
+    assert any("no layer of like covers the leaves" in m and "['scale']" in m for m in messages)
     assert all("SGD" in m for m in messages)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="kfac")  # warned once: not again at trace time

@@ -8,6 +8,10 @@ Examples:
 """
 
 from .. import _autodiff
+from ._blocks import Block as Block
+from ._blocks import BlockState as BlockState
+from ._blocks import diagonal as diagonal_block
+from ._blocks import kronecker as kronecker_block
 from ._kfac import KfacState as KfacState
 from ._kfac import kfac as kfac
 from ._losses import mse as mse
@@ -17,6 +21,7 @@ from ._stats import STATISTICS as STATISTICS
 from ._stats import StatsSpec as StatsSpec
 from ._stats import stats as stats
 from ._transform import transform as _transform
+from ._types import Diagonal as Diagonal
 from ._types import Factors as Factors
 from ._types import LayerCurvature as LayerCurvature
 from ._types import Layout as Layout
@@ -25,12 +30,17 @@ _autodiff.PROGRAM_CAPTURES[StatsSpec] = _transform
 
 __all__ = [
     "STATISTICS",
+    "Block",
+    "BlockState",
+    "Diagonal",
     "Factors",
     "KfacState",
     "LayerCurvature",
     "Layout",
     "StatsSpec",
+    "diagonal_block",
     "kfac",
+    "kronecker_block",
     "mse",
     "sigmoid_binary_cross_entropy",
     "softmax_cross_entropy",

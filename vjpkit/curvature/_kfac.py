@@ -47,7 +47,6 @@ dtype. This module imports only ``vjpkit._errors`` and ``vjpkit.curvature._types
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Mapping
@@ -60,7 +59,8 @@ import optax
 from jax import lax
 
 from vjpkit._errors import ConfigError
-from vjpkit.curvature._types import Factors, LayerCurvature, Layout, stats_dtype
+from vjpkit.curvature._blocks import Block, BlockState, diagonal, kronecker
+from vjpkit.curvature._types import Diagonal, Factors, LayerCurvature, Layout, stats_dtype
 
 __all__ = ["KfacState", "kfac"]
 
@@ -86,46 +86,18 @@ class KfacState(NamedTuple):
     inner: optax.OptState
 
 
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    """One preconditioned weight: the layer calls naming it and how its leaves map to ``M``."""
-
-    key: str
-    names: tuple[str, ...]
-    layout: Layout
-    d_a: int
-    d_g: int
-    dtype: Any
-    lead: tuple = ()  # the stacked iterations' lengths (a slice and a factor pair per iteration)
-
-    @property
-    def leaves(self) -> tuple:
-        w, b = self.layout.weight_leaf, self.layout.bias_leaf
-        return (w,) if b is None else (w, b)
-
-
 def _keystr(path) -> str:
     return jax.tree_util.keystr(tuple(path))
 
 
-def _lead_sum(x: jax.Array, scans: str = "") -> jax.Array:
-    """Sums the leading (scan) axes of a stacked ``(..., d, d)`` factor, but those of the scans
-    that slice the leaf (``"s"`` in ``scans``, one letter per leading axis)."""
-    summed = tuple(k for k in range(x.ndim - 2) if k >= len(scans) or scans[k] != "s")
+def _lead_sum(x: jax.Array, scans: str, k: int) -> jax.Array:
+    """Sums the leading (scan) axes of a stacked statistic with ``k`` own trailing axes, but
+    those of the scans that slice the leaf (``"s"`` in ``scans``, one letter per leading axis)."""
+    summed = tuple(i for i in range(x.ndim - k) if i >= len(scans) or scans[i] != "s")
     return jnp.sum(x, axis=summed) if summed else x
 
 
-def _per_slice(f, lead: tuple, *xs: Any) -> Any:
-    """``f`` of each stacked slice of ``xs`` (leading axes ``lead``), stacked back."""
-    if not lead:
-        return f(*xs)
-    n = math.prod(lead)
-    flat = [jax.tree.map(lambda a: a.reshape(n, *a.shape[len(lead) :]), x) for x in xs]
-    out = jax.vmap(f)(*flat)
-    return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
-
-
-def _factors_of(rec: Any, name: str, estimator: str, where: str) -> Factors:
+def _stat_of(rec: Any, name: str, estimator: str, where: str) -> Factors | Diagonal:
     if not isinstance(rec, LayerCurvature):
         raise ConfigError(
             f"kfac: {where}[{name!r}] is a {type(rec).__name__}, not a LayerCurvature; pass the dict "
@@ -138,7 +110,241 @@ def _factors_of(rec: Any, name: str, estimator: str, where: str) -> Factors:
             f"request them with vk.curvature.stats(..., [{estimator!r}, ...]) or pass the "
             "estimator= that was requested."
         )
+    if rec.layout is None:
+        raise ConfigError(
+            f"kfac: layer {name!r} has no layout in {where}; pass records from vk.curvature.stats."
+        )
     return f
+
+
+class _Call(NamedTuple):
+    """One layer call of ``like``: its statistic's kind and the leaves it reads."""
+
+    name: str
+    layout: Layout
+    kron: bool  # Factors (else Diagonal)
+    leaves: tuple  # leaf key paths: (weight[, bias]) for Factors, the layout's leaves else
+    shapes: tuple  # (A, G) shapes, or each diagonal's
+    dtype: Any  # what its block computes in
+
+
+def _kron_dims(call: _Call) -> tuple[tuple, int, int, bool, bool]:
+    """``(lead, d_a, d_g, diag_a, diag_g)`` of a Factors call (``lead``: its sliced iterations)."""
+    n = len(call.layout.scans)
+    (a, g) = call.shapes
+    lead = tuple(k for k, how in zip(a[:n], call.layout.scans) if how == "s")
+    return lead, a[-1], g[-1], len(a) - n == 1, len(g) - n == 1
+
+
+class _Planned(NamedTuple):
+    """A block of the plan: its key (first layer name), its calls and leaves, the ``Block``,
+    and ``gather(curvature) -> stats`` (one step's statistics of the block from its calls)."""
+
+    key: str
+    names: tuple
+    leaves: tuple
+    block: Block
+    gather: Any
+
+
+def _check_kron(call: _Call, leaves: list, estimator: str) -> None:
+    """That a Factors call's ``A``, ``G`` fit its weight (and bias) leaf arrays."""
+    layout, (w, *b) = call.layout, leaves
+    lead, d_a, d_g, _, _ = _kron_dims(call)
+    k = layout.n_stacked
+    if tuple(w.shape[:k]) != lead:
+        raise ConfigError(
+            f"kfac: layer {call.name!r}: the weight leaf {_keystr(layout.weight_leaf)} of shape "
+            f"{tuple(w.shape)} is given to lax.scan as xs with {lead} iterations: its leading axes "
+            f"must be {lead}."
+        )
+    wshape = tuple(w.shape[k:])
+    if not 1 <= layout.in_ndim < len(wshape):
+        raise ConfigError(
+            f"kfac: layer {call.name!r}: the weight leaf {_keystr(layout.weight_leaf)} has shape {wshape}, "
+            f"which cannot hold in_ndim={layout.in_ndim} input axes and an output axis."
+        )
+    d_in, d_out = layout.matrix_shape(wshape)
+    if (d_a, d_g) != (d_in + bool(b), d_out):
+        _, _, _, diag_a, diag_g = _kron_dims(call)
+        want = [(d,) if diag else (d, d) for d, diag in ((d_in + bool(b), diag_a), (d_out, diag_g))]
+        raise ConfigError(
+            f"kfac: layer {call.name!r}: {estimator} factors A {call.shapes[0]}, G {call.shapes[1]} do not "
+            f"fit the weight leaf {_keystr(layout.weight_leaf)} of shape {wshape} (transpose="
+            f"{layout.transpose}, in_ndim={layout.in_ndim}{', with a bias' if b else ''}): expected "
+            f"A {want[0]}, G {want[1]}."
+        )
+    if b and (tuple(b[0].shape[:k]) != lead or math.prod(b[0].shape[k:]) != d_out):
+        raise ConfigError(
+            f"kfac: layer {call.name!r}: the bias leaf {_keystr(layout.bias_leaf)} has shape "
+            f"{tuple(b[0].shape)}, expected "
+            + (f"{lead} iterations of " if lead else "")
+            + f"{d_out} entries."
+        )
+
+
+def _kron_diagonal(call: _Call, f: Factors, shapes: list) -> list:
+    """``diag(A kron G)`` of a Factors call laid out as its weight (and bias) leaves."""
+    scans = call.layout.scans
+    _, _, _, diag_a, diag_g = _kron_dims(call)
+    a = _lead_sum(_diag(jnp.asarray(f.A), diag_a), scans, 1)
+    g = _lead_sum(_diag(jnp.asarray(f.G), diag_g), scans, 1)
+    outer = a[..., :, None] * g[..., None, :]
+    k = call.layout.n_stacked
+    w_shape = shapes[0]
+    n_in = call.layout.matrix_shape(w_shape[k:])[0]
+    w = outer[..., :n_in, :].reshape(*w_shape[:k], n_in, -1)
+    w = jax.vmap(lambda m: call.layout.from_matrix(m, w_shape[k:]))(w.reshape(-1, *w.shape[k:]))
+    out = [w.reshape(w_shape)]
+    if len(shapes) > 1:
+        out.append(outer[..., -1, :].reshape(shapes[1]))
+    return out
+
+
+def _diag(x: jax.Array, diag: bool) -> jax.Array:
+    return x if diag else jnp.diagonal(x, axis1=-2, axis2=-1)
+
+
+class _Plan(NamedTuple):
+    calls: tuple  # every _Call of like
+    groups: tuple  # tuples of _Call indices sharing leaves, each one block
+    warnings: tuple  # layers whose leaves are not known (their leaves get the gradient)
+
+    @property
+    def owned(self) -> set:
+        return {leaf for group in self.groups for i in group for leaf in self.calls[i].leaves}
+
+
+def _plan(like: Mapping[str, LayerCurvature], estimator: str) -> _Plan:
+    """The static plan from ``like``: its calls, grouped into blocks by the leaves they read."""
+    calls, warned = [], []
+    for name, rec in like.items():
+        f, layout = _stat_of(rec, name, estimator, "like"), rec.layout
+        if isinstance(f, Factors):
+            leaves = (layout.weight_leaf,) + ((layout.bias_leaf,) if layout.bias is not None else ())
+            shapes = (tuple(f.A.shape), tuple(f.G.shape))
+            n = len(layout.scans)
+            if any(len(sh) <= n or (len(sh) > n + 1 and sh[-1] != sh[-2]) for sh in shapes):
+                raise ConfigError(
+                    f"kfac: layer {name!r}: {estimator}.A and .G must be square (..., d, d) or diagonal "
+                    f"(d,) after its {n} scan axes; got A {shapes[0]} and G {shapes[1]}."
+                )
+        else:
+            leaves = tuple(p for _, p in layout.leaves)
+            shapes = tuple(tuple(x.shape) for x in jax.tree.leaves(f.diagonal))
+        if not leaves or any(p is None for p in leaves):
+            warned.append(
+                f"kfac: layer {name!r} has {estimator} statistics but no leaf path in the params for "
+                f"{'its weight or bias' if isinstance(f, Factors) else 'some of its parameters'} (e.g. a "
+                "value computed in the loss, or carried through a lax.scan); its leaves get the plain "
+                "gradient (SGD direction)."
+            )
+            continue
+        dtype = jax.dtypes.canonicalize_dtype(stats_dtype(jax.tree.leaves(f)[0].dtype))
+        calls.append(_Call(name, layout, isinstance(f, Factors), tuple(map(tuple, leaves)), shapes, dtype))
+    parent = list(range(len(calls)))  # union-find of the calls sharing a leaf
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict[tuple, int] = {}
+    for i, call in enumerate(calls):
+        for leaf in call.leaves:
+            parent[root(i)] = root(first.setdefault(leaf, i))
+    groups: dict[int, list[int]] = {}
+    for i in range(len(calls)):
+        groups.setdefault(root(i), []).append(i)
+    return _Plan(tuple(calls), tuple(tuple(g) for g in groups.values()), tuple(warned))
+
+
+def _same_kron(calls: list[_Call]) -> bool:
+    """Whether calls of one group form one Kronecker block: all Factors of the same leaves,
+    layout and factor shapes (a weight called twice, or closed over by a scan)."""
+    if not all(c.kron for c in calls):
+        return False
+    head = calls[0]
+
+    def sig(c: _Call) -> tuple:
+        lay = c.layout
+        return (c.leaves, lay.transpose, lay.in_ndim, lay.kind, _kron_dims(c))
+
+    return all(sig(c) == sig(head) for c in calls)
+
+
+def _build(
+    plan: _Plan, shapes: Mapping[tuple, tuple], dtype: Any, estimator: str, solver: str, pi_damping: bool
+) -> list:
+    """The plan's blocks for leaves of ``shapes`` (leaf path -> shape): a Kronecker block per
+    group of ``_same_kron`` calls, else a diagonal block over the group's leaves, each call
+    adding its diagonal (a Factors call ``diag(A kron G)``)."""
+    out = []
+    for group in plan.groups:
+        calls = [plan.calls[i] for i in group]
+        head = calls[0]
+        names, dtype = tuple(c.name for c in calls), head.dtype
+        for c in calls:
+            if c.kron:
+                _check_kron(c, [jax.ShapeDtypeStruct(shapes[leaf], dtype) for leaf in c.leaves], estimator)
+        if _same_kron(calls):
+            lead, d_a, d_g, diag_a, diag_g = _kron_dims(head)
+            block = kronecker(
+                head.layout, d_a, d_g, dtype=dtype, lead=lead, diag_a=diag_a, diag_g=diag_g,
+                solver=solver, pi_damping=pi_damping,
+            )  # fmt: skip
+
+            def gather(curvature, calls=calls, lead=lead, diag=(diag_a, diag_g), d=(d_a, d_g), dtype=dtype):
+                total = None
+                for c in calls:
+                    f = _stat_of(curvature[c.name], c.name, estimator, "curvature")
+                    want = tuple((*lead, n) if dg else (*lead, n, n) for n, dg in zip(d, diag))
+                    got = tuple(
+                        _lead_sum(jnp.asarray(x), c.layout.scans, 1 if dg else 2).astype(dtype)
+                        for x, dg in zip(f, diag)
+                    )
+                    if tuple(x.shape for x in got) != want:
+                        raise ConfigError(
+                            f"kfac: layer {c.name!r}: this step's {estimator} factors A {tuple(f.A.shape)}, "
+                            f"G {tuple(f.G.shape)} differ from like's {c.shapes[0]}, {c.shapes[1]}."
+                        )
+                    total = got if total is None else tuple(t + x for t, x in zip(total, got))
+                return Factors(*total)
+
+            out.append(_Planned(head.name, names, head.leaves, block, gather))
+            continue
+        leaves = tuple(dict.fromkeys(leaf for c in calls for leaf in c.leaves))
+        for c in calls:
+            if not c.kron:
+                for leaf, sh in zip(c.leaves, c.shapes, strict=True):
+                    k = len(c.layout.scans)
+                    kept = tuple(n for n, how in zip(sh[:k], c.layout.scans) if how == "s") + sh[k:]
+                    if kept != tuple(shapes[leaf]):
+                        raise ConfigError(
+                            f"kfac: layer {c.name!r}: its {estimator} diagonal of shape {sh} (scans "
+                            f"{c.layout.scans!r}) does not fit the leaf {_keystr(leaf)} of shape "
+                            f"{tuple(shapes[leaf])}."
+                        )
+
+        def gather(curvature, calls=calls, leaves=leaves, dtype=dtype):
+            total = {leaf: jnp.zeros(shapes[leaf], dtype) for leaf in leaves}
+            for c in calls:
+                f = _stat_of(curvature[c.name], c.name, estimator, "curvature")
+                if c.kron:
+                    parts = _kron_diagonal(c, f, [shapes[leaf] for leaf in c.leaves])
+                else:
+                    parts = [
+                        _lead_sum(jnp.asarray(x), c.layout.scans, x.ndim - len(c.layout.scans))
+                        for x in jax.tree.leaves(f.diagonal)
+                    ]
+                for leaf, x in zip(c.leaves, parts, strict=True):
+                    total[leaf] = total[leaf] + x.reshape(shapes[leaf]).astype(dtype)
+            return tuple(total[leaf] for leaf in leaves)
+
+        block = diagonal(tuple(tuple(shapes[leaf]) for leaf in leaves), dtype=dtype)
+        out.append(_Planned(head.name, names, leaves, block, gather))
+    return out
 
 
 def kfac(
@@ -162,7 +368,7 @@ def kfac(
     * ``solver="inverse"``: ``A_d^-1 M G_d^-1`` with factored Tikhonov damping,
       ``A_d = A + pi sqrt(damping) I``, ``G_d = G + sqrt(damping) / pi I`` and
       ``pi = sqrt((tr A / dim A) / (tr G / dim G))`` (sec. 6.3; ``pi = 1`` when ``pi_damping`` is
-      False or a trace is 0), inverted by Cholesky;
+      False or a trace is 0), inverted by LU;
     * ``solver="eigh"``: the exactly damped ``(A kron G + damping I)^-1 vec M``, i.e.
       ``U_A [(U_A^T M U_G) / (s_A s_G^T + damping)] U_G^T`` with eigenvalues clipped at 0
       (``pi_damping`` does not apply).
@@ -226,209 +432,73 @@ def kfac(
             "momentum SGD. Pass the curvature dict of a step captured with vk.curvature.stats over "
             "the model's layers (jax.eval_shape of the step)."
         )
-    # Static plan from `like`: blocks (one per weight leaf) and layers falling back to SGD.
-    names = tuple(like)
-    grouped: dict[tuple, list[str]] = {}
-    unpreconditioned: list[str] = []
-    shapes: dict[str, tuple[tuple, tuple, Any]] = {}
-    for name in names:
-        rec = like[name]
-        f = _factors_of(rec, name, estimator, "like")
-        layout = rec.layout
-        if layout is None:
-            raise ConfigError(
-                f"kfac: layer {name!r} has no layout in like; pass records from vk.curvature.stats."
-            )
-        a_shape, g_shape = tuple(f.A.shape), tuple(f.G.shape)
-        dtype = jax.dtypes.canonicalize_dtype(stats_dtype(f.A.dtype))
-        lead = tuple(n for n, how in zip(a_shape[:-2], layout.scans) if how == "s")
-        shapes[name] = (a_shape, g_shape, dtype, lead)
-        if layout.weight_leaf is None or (layout.bias is not None and layout.bias_leaf is None):
-            unpreconditioned.append(name)
-        else:
-            grouped.setdefault(tuple(layout.weight_leaf), []).append(name)
-
-    blocks: list[_Block] = []
-    for members in grouped.values():
-        first = members[0]
-        layout = like[first].layout
-        a_shape, g_shape, dtype, lead = shapes[first]
-        if len(a_shape) < 2 or len(g_shape) < 2 or a_shape[-1] != a_shape[-2] or g_shape[-1] != g_shape[-2]:
-            raise ConfigError(
-                f"kfac: layer {first!r}: {estimator}.A and .G must be square (..., d, d); got "
-                f"A {a_shape} and G {g_shape}."
-            )
-        for other in members[1:]:
-            o_layout = like[other].layout
-            same = (o_layout.bias_leaf, o_layout.transpose, o_layout.in_ndim, o_layout.n_stacked) == (
-                layout.bias_leaf,
-                layout.transpose,
-                layout.in_ndim,
-                layout.n_stacked,
-            )
-            o_a, o_g, _, o_lead = shapes[other]
-            same = same and o_lead == lead
-            if not same or o_a[-2:] != a_shape[-2:] or o_g[-2:] != g_shape[-2:]:
-                raise ConfigError(
-                    f"kfac: layers {first!r} and {other!r} share the weight leaf "
-                    f"{_keystr(layout.weight_leaf)} but differ in layout or factor shapes "
-                    f"(A {a_shape[-2:]} vs {o_a[-2:]}, G {g_shape[-2:]} vs {o_g[-2:]}); their factors "
-                    "cannot be summed into one block."
-                )
-        blocks.append(_Block(first, tuple(members), layout, a_shape[-1], g_shape[-1], dtype, lead))
-
-    owner: dict[tuple, str] = {}
-    for blk in blocks:
-        for leaf in blk.leaves:
-            if tuple(leaf) in owner:
-                raise ConfigError(
-                    f"kfac: the leaf {_keystr(leaf)} belongs to two preconditioned blocks "
-                    f"({owner[tuple(leaf)]!r} and {blk.key!r}); a leaf can be preconditioned once."
-                )
-            owner[tuple(leaf)] = blk.key
-
-    warned: set[str] = set()
-
-    def warn_unpreconditioned() -> None:
-        for name in unpreconditioned:
-            if name not in warned:
-                warned.add(name)
-                warnings.warn(
-                    f"kfac: layer {name!r} has K-FAC factors but no weight (or bias) leaf path in the "
-                    "params (e.g. a slice of a stacked weight under lax.scan); its leaves get the "
-                    "plain gradient (SGD direction).",
-                    UserWarning,
-                    stacklevel=3,
-                )
-
+    plan = _plan(like, estimator)
+    first = next(
+        iter(jax.tree.leaves(_stat_of(like[c.name], c.name, estimator, "like")) for c in plan.calls), []
+    )
+    dtype = jax.dtypes.canonicalize_dtype(stats_dtype(first[0].dtype if first else np.float32))
     tail = optax.chain(
         optax.trace(decay=momentum) if momentum is not None else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
+    warned: set[str] = set()
 
-    def leaf_index(tree: Any, what: str) -> tuple[dict, list, Any]:
+    def warn(messages) -> None:
+        for message in messages:
+            if message not in warned:
+                warned.add(message)
+                warnings.warn(message, UserWarning, stacklevel=4)
+
+    def blocks_for(tree: Any, what: str) -> tuple[list, dict, list, Any]:
+        """The blocks for ``tree``'s leaves, its leaf index, leaves and treedef."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         index = {tuple(p): i for i, (p, _) in enumerate(flat)}
-        for blk in blocks:
-            for leaf in blk.leaves:
-                if tuple(leaf) not in index:
+        for call in plan.calls:
+            for leaf in call.leaves:
+                if leaf not in index:
                     raise ConfigError(
-                        f"kfac: layer {blk.key!r} names the leaf {_keystr(leaf)}, which is not in {what} "
+                        f"kfac: layer {call.name!r} names the leaf {_keystr(leaf)}, which is not in {what} "
                         f"(its leaves: {', '.join(_keystr(p) for p, _ in flat[:8])}"
                         f"{', ...' if len(flat) > 8 else ''}); pass the params the curvature was "
                         "captured for (the layout's paths are relative to the differentiated argument)."
                     )
-        return index, [x for _, x in flat], treedef
+        shapes = {tuple(p): tuple(np.shape(x)) for p, x in flat}
+        return (
+            _build(plan, shapes, dtype, estimator, solver, pi_damping),
+            index,
+            [x for _, x in flat],
+            treedef,
+        )
 
-    def check_shapes(index: dict, leaves: list) -> None:
-        for blk in blocks:
-            layout = blk.layout
-            w = leaves[index[tuple(layout.weight_leaf)]]
-            k = layout.n_stacked
-            if tuple(w.shape[:k]) != blk.lead:
-                raise ConfigError(
-                    f"kfac: layer {blk.key!r}: the weight leaf {_keystr(layout.weight_leaf)} of shape "
-                    f"{tuple(w.shape)} is given to lax.scan as xs with {blk.lead} iterations: its "
-                    f"leading axes must be {blk.lead}."
-                )
-            wshape = tuple(w.shape[k:])
-            if not 1 <= layout.in_ndim < len(wshape):
-                raise ConfigError(
-                    f"kfac: layer {blk.key!r}: the weight leaf {_keystr(layout.weight_leaf)} has shape "
-                    f"{wshape}, which cannot hold in_ndim={layout.in_ndim} input axes and an output axis."
-                )
-            n_in = layout.in_ndim
-            d_in, d_out = layout.matrix_shape(wshape)
-            has_bias = layout.bias_leaf is not None
-            want_a, want_g = (d_in + has_bias,) * 2, (d_out,) * 2
-            got_a, got_g = (blk.d_a, blk.d_a), (blk.d_g, blk.d_g)
-            if (got_a, got_g) != (want_a, want_g):
-                raise ConfigError(
-                    f"kfac: layer {blk.key!r}: {estimator} factors A {got_a}, G {got_g} do not fit the "
-                    f"weight leaf {_keystr(layout.weight_leaf)} of shape {wshape} (transpose="
-                    f"{layout.transpose}, in_ndim={n_in}{', with a bias' if has_bias else ''}): expected "
-                    f"A {want_a}, G {want_g}."
-                )
-            if has_bias:
-                b = leaves[index[tuple(layout.bias_leaf)]]
-                if tuple(b.shape[:k]) != blk.lead or math.prod(b.shape[k:]) != d_out:
-                    raise ConfigError(
-                        f"kfac: layer {blk.key!r}: the bias leaf {_keystr(layout.bias_leaf)} has shape "
-                        f"{tuple(b.shape)}, expected "
-                        + (f"{blk.lead} iterations of " if blk.lead else "")
-                        + f"{d_out} entries (G is {got_g})."
-                    )
-
-    def refresh(factors: dict[str, Factors], _old: Any = None) -> dict[str, Any]:
-        return {
-            blk.key: _per_slice(lambda a, g, b=blk: invert(b, a, g), blk.lead, *factors[blk.key])
-            for blk in blocks
-        }
-
-    def invert(blk: _Block, a: jax.Array, g: jax.Array) -> Any:
-        """One slice's inverses (or eigendecompositions) of its EMA factors."""
-        eye_a, eye_g = jnp.eye(blk.d_a, dtype=a.dtype), jnp.eye(blk.d_g, dtype=g.dtype)
-        if solver == "eigh":
-            s_a, u_a = jnp.linalg.eigh(a)
-            s_g, u_g = jnp.linalg.eigh(g)
-            return (u_a, jnp.maximum(s_a, 0.0), u_g, jnp.maximum(s_g, 0.0))
-        if pi_damping:
-            ta, tg = jnp.trace(a) / blk.d_a, jnp.trace(g) / blk.d_g
-            ok = (ta > 0) & (tg > 0)
-            pi = jnp.where(ok, jnp.sqrt(jnp.where(ok, ta, 1.0) / jnp.where(ok, tg, 1.0)), 1.0)
-        else:
-            pi = jnp.ones((), a.dtype)
-        sq = math.sqrt(damping)
-        a_d = a + (pi * sq) * eye_a
-        g_d = g + (sq / pi) * eye_g
-        a_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a_d, lower=True), eye_a)
-        g_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(g_d, lower=True), eye_g)
-        return Factors(a_inv, g_inv)
-
-    def precondition(blk: _Block, inv: Any, m: jax.Array) -> jax.Array:
-        if solver == "eigh":
-            u_a, s_a, u_g, s_g = inv
-            rotated = u_a.T @ m @ u_g
-            return u_a @ (rotated / (s_a[:, None] * s_g[None, :] + damping)) @ u_g.T
-        return inv.A @ m @ inv.G
+    def uncovered(index: dict) -> list[str]:
+        owned = plan.owned
+        rest = [_keystr(p) for p in index if p not in owned]
+        if not rest:
+            return []
+        return [
+            f"kfac: no layer of like covers the leaves {', '.join(rest[:8])}"
+            f"{', ...' if len(rest) > 8 else ''}: they get the plain gradient (SGD direction). Include "
+            "the layers that use them in vk.curvature.stats' globs (every layer kind has a block, "
+            "Kronecker or diagonal)."
+        ]
 
     def init_fn(params: Any) -> KfacState:
-        index, leaves, _ = leaf_index(params, "params")
-        check_shapes(index, leaves)
-        warn_unpreconditioned()
-        # built in NumPy and transferred: no small program to compile per shape at init
-        zeros = lambda *shape, dtype: jnp.asarray(np.zeros(shape, dtype))
-        # no inverses before the first statistics: NaN, so that a first update without them under
-        # jax.jit (where the count is not known) gives NaN updates, never silent momentum SGD
-        eye = lambda lead, n, dtype: jnp.asarray(np.full((*lead, n, n), np.nan, dtype))
-        factors = {
-            b.key: Factors(
-                zeros(*b.lead, b.d_a, b.d_a, dtype=b.dtype), zeros(*b.lead, b.d_g, b.d_g, dtype=b.dtype)
-            )
-            for b in blocks
-        }
-        if solver == "eigh":
-            inverses = {
-                b.key: (
-                    eye(b.lead, b.d_a, b.dtype),
-                    zeros(*b.lead, b.d_a, dtype=b.dtype),
-                    eye(b.lead, b.d_g, b.dtype),
-                    zeros(*b.lead, b.d_g, dtype=b.dtype),
-                )
-                for b in blocks
-            }
-        else:
-            inverses = {
-                b.key: Factors(eye(b.lead, b.d_a, b.dtype), eye(b.lead, b.d_g, b.dtype)) for b in blocks
-            }
-        return KfacState(jnp.asarray(np.zeros((), np.int32)), factors, inverses, tail.init(params))
+        blocks, index, _, _ = blocks_for(params, "params")
+        warn([*plan.warnings, *uncovered(index)])
+        states = {b.key: b.block.init() for b in blocks}
+        return KfacState(
+            jnp.asarray(np.zeros((), np.int32)),
+            {k: st.stats for k, st in states.items()},
+            {k: st.cache for k, st in states.items()},
+            tail.init(params),
+        )
 
-    def step_factors(curvature: Mapping[str, LayerCurvature]) -> dict[str, Factors]:
+    def step_stats(blocks: list, curvature: Mapping[str, LayerCurvature]) -> dict[str, Any]:
         if not isinstance(curvature, Mapping):
             raise ConfigError(
                 f"kfac: curvature= is a {type(curvature).__name__}, not a dict of LayerCurvature."
             )
-        missing = [n for n in names if n not in curvature]
+        missing = [n for n in like if n not in curvature]
         if missing:
             raise ConfigError(
                 f"kfac: layer(s) {', '.join(map(repr, missing))} of like are missing from this step's "
@@ -441,26 +511,7 @@ def kfac(
                 f"kfac: layer(s) {', '.join(map(repr, extra))} of this step's curvature are not in like; "
                 "build like from the same vk.curvature.stats spec (jax.eval_shape of the step)."
             )
-        out = {}
-        for blk in blocks:
-            sum_a = sum_g = None
-            for name in blk.names:
-                f = _factors_of(curvature[name], name, estimator, "curvature")
-                scans = curvature[name].layout.scans if curvature[name].layout is not None else ""
-                a, g = _lead_sum(jnp.asarray(f.A), scans), _lead_sum(jnp.asarray(f.G), scans)
-                want_a, want_g = (*blk.lead, blk.d_a, blk.d_a), (*blk.lead, blk.d_g, blk.d_g)
-                if a.shape != want_a or g.shape != want_g:
-                    raise ConfigError(
-                        f"kfac: layer {name!r}: this step's {estimator} factors A {tuple(f.A.shape)}, "
-                        f"G {tuple(f.G.shape)} differ from like's {want_a}, {want_g}."
-                    )
-                a, g = a.astype(blk.dtype), g.astype(blk.dtype)
-                sum_a = a if sum_a is None else sum_a + a
-                sum_g = g if sum_g is None else sum_g + g
-            if axis_name is not None:
-                sum_a, sum_g = lax.pmean(sum_a, axis_name), lax.pmean(sum_g, axis_name)
-            out[blk.key] = Factors(sum_a, sum_g)
-        return out
+        return {b.key: b.block.sync(b.gather(curvature), axis_name) for b in blocks}
 
     def update_fn(
         updates: Any,
@@ -471,7 +522,9 @@ def kfac(
         **extra_args: Any,
     ) -> tuple[Any, KfacState]:
         del extra_args  # other members' extra arguments under optax.chain
-        warn_unpreconditioned()
+        blocks, index, leaves, treedef = blocks_for(updates, "the updates")
+        warn([*plan.warnings, *uncovered(index)])
+        states = {b.key: BlockState(state.factors[b.key], state.inverses[b.key]) for b in blocks}
         if curvature is None:  # no statistics this step: the cached inverses precondition it
             if not isinstance(state.count, jax.core.Tracer) and int(state.count) == 0:
                 raise ConfigError(
@@ -480,47 +533,30 @@ def kfac(
                     "vk.curvature.stats capture as update(..., curvature=...) at least on the first "
                     "step; later steps may omit it to reuse the cached inverses."
                 )
-            factors, inverses = state.factors, state.inverses
         else:
-            new = step_factors(curvature)
-            first = state.count == 0
-            factors = {
-                k: Factors(
-                    *(
-                        jnp.where(first, x, decay * old + (1.0 - decay) * x)
-                        for old, x in zip(state.factors[k], new[k], strict=True)
-                    )
-                )
-                for k in new
-            }
+            new = step_stats(blocks, curvature)
+            step_decay = jnp.where(state.count == 0, 0.0, decay)  # the first step takes its own
+            states = {b.key: b.block.update(states[b.key], new[b.key], step_decay) for b in blocks}
+
+            def refresh(states):
+                return {b.key: b.block.refresh(states[b.key], damping) for b in blocks}
+
             if update_every == 1:
-                inverses = refresh(factors)
+                states = refresh(states)
             else:
-                inverses = lax.cond(
-                    state.count % update_every == 0, refresh, lambda f, old: old, factors, state.inverses
-                )
+                states = lax.cond(state.count % update_every == 0, refresh, lambda s: s, states)
 
-        index, leaves, treedef = leaf_index(updates, "the updates")
         direction = list(leaves)
-        for blk in blocks:
-            layout = blk.layout
-            wi = index[tuple(layout.weight_leaf)]
-            bi = index[tuple(layout.bias_leaf)] if layout.bias_leaf is not None else None
-            w, b = leaves[wi], None if bi is None else leaves[bi]
-
-            def one(inv, w, b, blk=blk, layout=layout):  # one slice of a stacked leaf, or the leaf
-                m = layout.to_matrix(w).astype(blk.dtype)
-                if b is not None:
-                    m = jnp.concatenate([m, b.reshape(1, -1).astype(blk.dtype)], axis=0)
-                p = precondition(blk, inv, m)
-                pb = None if b is None else p[-1].reshape(b.shape).astype(b.dtype)
-                return layout.from_matrix(p if b is None else p[:-1], w.shape).astype(w.dtype), pb
-
-            direction[wi], pb = _per_slice(one, blk.lead, inverses[blk.key], w, b)
-            if bi is not None:
-                direction[bi] = pb
+        for b in blocks:
+            at = [index[leaf] for leaf in b.leaves]
+            for i, p in zip(
+                at, b.block.precondition(states[b.key], tuple(leaves[i] for i in at)), strict=True
+            ):
+                direction[i] = p
         direction = jax.tree_util.tree_unflatten(treedef, direction)
         out, inner = tail.update(direction, state.inner, params)
+        factors = {k: st.stats for k, st in states.items()}
+        inverses = {k: st.cache for k, st in states.items()}
         return out, KfacState(optax.safe_increment(state.count), factors, inverses, inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -29,7 +29,7 @@ from jax import lax
 from .. import stats as statslayer
 from .._errors import ConfigError
 from .._names import check_glob
-from ._types import Factors, LayerCurvature, Layout, stats_dtype
+from ._types import Diagonal, Factors, LayerCurvature, Layout, stats_dtype
 
 FACTORS = ("kflr", "kfac", "kfac_empirical")
 DIAGONAL = ("diag_ggn", "diag_ggn_mc")
@@ -37,6 +37,7 @@ FIRST_ORDER = ("sum_grad_squared", "batch_l2", "backpack_variance")
 STATISTICS = FACTORS + DIAGONAL + FIRST_ORDER
 EXACT = ("kflr", "diag_ggn")  # need the Hessian square-root pulls
 SAMPLED = ("kfac", "diag_ggn_mc")  # need the Monte-Carlo pulls (and a key)
+MAX_FACTOR_DIM = 4096  # a longer K-FAC factor side is kept as its diagonal (distributed Shampoo's)
 
 
 class StatsSpec(NamedTuple):
@@ -45,6 +46,7 @@ class StatsSpec(NamedTuple):
     layers: tuple[str, ...]
     which: tuple[str, ...]
     mc_samples: int = 1
+    max_factor_dim: int = MAX_FACTOR_DIM
 
     @property
     def exact(self) -> bool:
@@ -56,7 +58,11 @@ class StatsSpec(NamedTuple):
 
 
 def stats(
-    layers: str | Sequence[str] = "*", which: str | Sequence[str] = ("kflr",), mc_samples: int = 1
+    layers: str | Sequence[str] = "*",
+    which: str | Sequence[str] = ("kflr",),
+    mc_samples: int = 1,
+    *,
+    max_factor_dim: int = MAX_FACTOR_DIM,
 ) -> StatsSpec:
     """Chooses layer calls and the curvature statistics to compute for them, in the graph.
 
@@ -69,6 +75,13 @@ def stats(
             ``variance`` is of ``grad l_n``, ``N^2`` times larger).
         mc_samples: Monte-Carlo samples for ``kfac`` and ``diag_ggn_mc``; the transformed
             function then takes ``key=``.
+        max_factor_dim: a K-FAC factor side (``A``'s ``in [+1]``, ``G``'s ``out``) longer than
+            this is computed as its diagonal only, a vector (a 50,257-token head's ``G`` would
+            be 10 GB in float32). Default 4096, as distributed Shampoo's blocks.
+
+    The K-FAC fields of a layer with no Kronecker rule (an embedding, a norm's scale and shift,
+    a residual bias, any other per-example layer) hold its diagonal block instead:
+    ``vk.curvature.Diagonal`` of the same curvature (``docs/curvature.md``'s block table).
 
     Returns:
         A spec for ``capture=``: ``captured[name]`` is a ``vk.curvature.LayerCurvature``.
@@ -96,7 +109,9 @@ def stats(
         )
     if not isinstance(mc_samples, int) or isinstance(mc_samples, bool) or mc_samples < 1:
         raise ConfigError(f"vk.curvature.stats: mc_samples must be an int >= 1, got {mc_samples!r}.")
-    return StatsSpec(globs, tuple(dict.fromkeys(which)), mc_samples)
+    if not isinstance(max_factor_dim, int) or isinstance(max_factor_dim, bool) or max_factor_dim < 1:
+        raise ConfigError(f"vk.curvature.stats: max_factor_dim must be an int >= 1, got {max_factor_dim!r}.")
+    return StatsSpec(globs, tuple(dict.fromkeys(which)), mc_samples, max_factor_dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,8 +136,13 @@ def _rows_in(layout: Layout, x: jax.Array, w_shape: tuple[int, ...]) -> jax.Arra
 # --------------------------------------------------------------------------------------------
 
 
-def _a_factor(a: jax.Array, n: int, bias: bool, conv: bool) -> jax.Array:
-    """``A = (1/N) sum_rows [a,1][a,1]^T`` of a dense layer.
+def _gram(rows: jax.Array, max_dim: int) -> jax.Array:
+    """``rows^T rows`` of ``(R, d)`` rows, or its diagonal ``sum rows^2`` when ``d > max_dim``."""
+    return jnp.sum(jnp.square(rows), axis=0) if rows.shape[-1] > max_dim else rows.T @ rows
+
+
+def _a_factor(a: jax.Array, n: int, bias: bool, conv: bool, max_dim: int) -> jax.Array:
+    """``A = (1/N) sum_rows [a,1][a,1]^T`` of a dense layer (its diagonal past ``max_dim``).
 
     Convolution (BackPACK's KFLR / KFAC for convolutions): ``A = (1/N) sum_{n,t} [a,c][a,c]^T``
     over the ``T`` patches of each example with ``c = 1/sqrt(T)`` (the bias entry of ``A`` is 1);
@@ -133,15 +153,15 @@ def _a_factor(a: jax.Array, n: int, bias: bool, conv: bool) -> jax.Array:
     if bias:
         c = 1 / math.sqrt(t) if conv else 1.0
         a = jnp.concatenate([a, jnp.full((a.shape[0], 1), c, a.dtype)], axis=1)
-    return a.T @ a / n
+    return _gram(a, max_dim) / n
 
 
-def _g_factor(gs: jax.Array, conv: bool) -> jax.Array:
-    """``G = sum_seeds sum_rows g g^T``; for a convolution each example's cotangents are first
-    summed over the output positions, ``G = sum_seeds sum_n (sum_t g_nt)(sum_t g_nt)^T``."""
+def _g_factor(gs: jax.Array, conv: bool, max_dim: int) -> jax.Array:
+    """``G = sum_seeds sum_rows g g^T`` (its diagonal past ``max_dim``); for a convolution each
+    example's cotangents are first summed over the output positions,
+    ``G = sum_seeds sum_n (sum_t g_nt)(sum_t g_nt)^T``."""
     g = gs.sum(axis=-2) if conv else gs  # (..., N, T, out) -> (..., N, out) for a convolution
-    g = g.reshape(-1, g.shape[-1])
-    return g.T @ g
+    return _gram(g.reshape(-1, g.shape[-1]), max_dim)
 
 
 def _over_seeds(body, zero, seeds: Any) -> Any:
@@ -231,8 +251,10 @@ def layer_stats(
     mc: jax.Array | None,
     n: int,
     where: str,
+    max_dim: int = MAX_FACTOR_DIM,
 ) -> LayerCurvature:
-    """The statistics ``which`` of one layer call (see the module contract)."""
+    """The statistics ``which`` of one layer call (see the module contract); a factor side
+    longer than ``max_dim`` is its diagonal."""
     w_shape = tuple(params[layout.weight].shape)
     n_in, n_out = layout.matrix_shape(w_shape)
     dtype = stats_dtype(x.dtype)
@@ -253,13 +275,13 @@ def layer_stats(
     bias, conv = layout.bias is not None, layout.kind == "conv"
     out: dict[str, Any] = {}
     if any(s in FACTORS for s in which):
-        big_a = _a_factor(a, n, bias, conv)  # one A for every K-FAC estimator asked for
+        big_a = _a_factor(a, n, bias, conv, max_dim)  # one A for every K-FAC estimator asked for
         seeds = {"kflr": exact, "kfac": mc, "kfac_empirical": d}
         for name in (s for s in FACTORS if s in which):
             g = rows(seeds[name])
             if name == "kfac_empirical":  # each example's dL/dy carries the 1/N of the mean
                 g = g * jnp.sqrt(jnp.asarray(n, dtype))
-            out[name] = Factors(big_a, _g_factor(g, conv))
+            out[name] = Factors(big_a, _g_factor(g, conv, max_dim))
 
     out.update(
         _per_example_fields(
@@ -311,18 +333,12 @@ def local_stats(
     mc: jax.Array | None,
     n: int,
     where: str,
-    kind: str,
     axis: int = 0,
 ) -> dict[str, Any]:
     """The statistics of a layer with no K-FAC rule, from ``per_example(g) -> {leaf: (N, ...)}``,
-    its per-example parameter gradients for output cotangents ``g`` (examples on ``axis``)."""
+    its per-example parameter gradients for output cotangents ``g`` (examples on ``axis``). Its
+    K-FAC fields are its diagonal block (``Diagonal``) of the same curvature."""
     factors = [s for s in which if s in FACTORS]
-    if factors:
-        raise ConfigError(
-            f"vk.curvature.stats: {where} is {kind}, which has no Kronecker-factored rule, so "
-            f"{factors} are not defined for it. Ask for its diagonal ({list(DIAGONAL)}: the "
-            "diagonal block kfac-jax uses for scale-and-shift layers) or leave it out of the globs."
-        )
     if d.shape[axis] != n:
         raise ConfigError(
             f"vk.curvature.stats: {where}: the per-example statistics {list(which)} read axis {axis} of "
@@ -340,11 +356,12 @@ def local_stats(
         return _over_seeds(body, zero, seeds)
 
     out: dict[str, Any] = {}
-    if "diag_ggn" in which:
+    if "diag_ggn" in which or "kflr" in which:
         out["diag_ggn"] = square_sum(exact)
-    if "diag_ggn_mc" in which:
+    if "diag_ggn_mc" in which or "kfac" in which:
         out["diag_ggn_mc"] = square_sum(mc)
-    if "sum_grad_squared" in which or "backpack_variance" in which:
+    sgs = None
+    if "sum_grad_squared" in which or "backpack_variance" in which or "kfac_empirical" in which:
         sgs = square_sum(d[None])
         if "sum_grad_squared" in which:
             out["sum_grad_squared"] = sgs
@@ -357,4 +374,11 @@ def local_stats(
         out["batch_l2"] = jax.tree.map(
             lambda p: jnp.sum(jnp.square(p.astype(dtype)).reshape(p.shape[0], -1), axis=1), pe
         )
-    return out
+    blocks = {  # the diagonal block of each K-FAC estimator asked for (see _types)
+        "kflr": lambda: out["diag_ggn"],
+        "kfac": lambda: out["diag_ggn_mc"],
+        "kfac_empirical": lambda: jax.tree.map(lambda s: s * jnp.asarray(n, s.dtype), sgs),
+    }
+    for name in factors:
+        out[name] = Diagonal(blocks[name]())
+    return {k: v for k, v in out.items() if k in which}

@@ -33,7 +33,16 @@ from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
 from .._names import matches_any
 from . import _examples, _losses
-from ._stats import DIAGONAL, FACTORS, FIRST_ORDER, StatsSpec, layer_stats, local_stats, shared_stats
+from ._stats import (
+    DIAGONAL,
+    FACTORS,
+    FIRST_ORDER,
+    MAX_FACTOR_DIM,
+    StatsSpec,
+    layer_stats,
+    local_stats,
+    shared_stats,
+)
 from ._types import LayerCurvature, Layout
 
 
@@ -155,8 +164,9 @@ def transform(
             axis = _example_axis(traced, site, rule, spec, n, name)
             chosen[k] = (spec, axis)
             result_captured[k] = _stacked_stats(
-                spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k, axis
-            )
+                spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k, axis,
+                spec.max_factor_dim,
+            )  # fmt: skip
         _share(traced, captured, result_captured, chosen, exact, mc, n)
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
@@ -245,7 +255,8 @@ def _example_axis(traced: Any, site: Any, rule: Any, spec: StatsSpec, n: int, tr
     factors are asked for (they read rows, not examples) or when the call does not reach the
     loss (its statistics are zero); a ``ConfigError`` naming the layer when the examples mix
     between it and the loss, or when no axis (or more than one) carries them there."""
-    per_example = [w for w in spec.which if w not in FACTORS]
+    local = not isinstance(rule, Layout)  # its K-FAC fields are per-example diagonals too
+    per_example = list(spec.which) if local else [w for w in spec.which if w not in FACTORS]
     outs = [v for v in site.eqn.outvars if hasattr(v.aval, "shape")]
     if not per_example or not outs:
         return 0
@@ -271,8 +282,10 @@ def _example_axis(traced: Any, site: Any, rule: Any, spec: StatsSpec, n: int, tr
     out = _format.describe(outs[0].aval)
     head = f"{transform}: vk.curvature.stats{list(per_example)}: {where} (output {out})"
     fix = (
-        f"Ask only for K-FAC factors ({list(FACTORS)}) of this layer, which read its rows and not "
-        "its examples, or leave it out of the globs."
+        "Leave it out of the globs (its statistics, diagonal blocks included, are per example)."
+        if local
+        else f"Ask only for K-FAC factors ({list(FACTORS)}) of this layer, which read its rows and "
+        "not its examples, or leave it out of the globs."
     )
     if len(good) > 1:
         raise ConfigError(
@@ -294,7 +307,7 @@ def _example_axis(traced: Any, site: Any, rule: Any, spec: StatsSpec, n: int, tr
     )
 
 
-def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key, axis=0) -> Any:
+def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key, axis=0, max_dim=MAX_FACTOR_DIM) -> Any:
     """The statistics of one call, vmapped over its record's ``n_scans`` stacked scan axes; the
     examples on ``axis`` of its output (and, for a dense layer, of its input)."""
     where = f"layer {key!r}"
@@ -304,14 +317,13 @@ def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key, axis=0) -> Any:
             x, d, ex, sm = _examples_first(axis, x, d, ex, sm)
         if isinstance(rule, Layout):
             g_flat = _flat(grad_params) if grad_params is not None else {}
-            stats = layer_stats(which, rule, _flat(params), g_flat, x, d, ex, sm, n, where)
+            stats = layer_stats(which, rule, _flat(params), g_flat, x, d, ex, sm, n, where, max_dim)
             return _rekey(stats, params)
-        linearize, kind = rule
+        linearize, layout = rule
         grad_params = grad_params if grad_params is not None else jax.tree.map(jnp.zeros_like, params)
-        fields = local_stats(
-            which, linearize(params, x, axis), params, grad_params, d, ex, sm, n, where, kind, axis
-        )
-        return LayerCurvature(**fields, layout=Layout("local", "", None))
+        per_example = linearize(params, x, axis)
+        fields = local_stats(which, per_example, params, grad_params, d, ex, sm, n, where, axis)
+        return LayerCurvature(**fields, layout=layout)
 
     ex = exact.grad_output if exact is not None else None
     sm = mc.grad_output if mc is not None else None
@@ -419,10 +431,21 @@ def _as_layout_kind(kind: Any) -> Any:
 
 def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     """A ``Layout`` (how the call's params map to the K-FAC matrix, from its kind) for a dense
-    or conv layer; ``(per_example, kind)`` for any other per-example layer (see ``local_stats``)."""
+    or conv layer; ``(per_example, Layout("local", ...))`` for any other per-example layer (see
+    ``local_stats``), the layout naming its parameters' leaves."""
     params = _flat(site.record.params)
     kind = _as_layout_kind(site.kind)
     where = f"layer {site.key!r}"
+    _, (origins, _, _) = site.layout.split(site.origins)
+    origin = _flat(origins, lambda o: o is None or isinstance(o, _engine.Scanned))
+    scanned = [o.how for o in origin.values() if isinstance(o, _engine.Scanned)]
+    scans = scanned[0] if scanned else ""
+
+    def leaf(at):  # the argument leaf given to the call as it is (sliced or closed over by scans)
+        if isinstance(at, _engine.Scanned) and at.how == scans and len(scans) == len(site.scans):
+            return paths[at.leaf]
+        return paths[at] if isinstance(at, int) and not site.scans else None
+
     if isinstance(kind, LayerKind) and kind.kind in ("dense", "conv"):
         roles = {role: p for p, role in kind.roles.items() if p in params}
     elif kind is None and _plain_dense(site, params) and _affine(site):
@@ -443,20 +466,18 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
                 f"{_format.describe(site.record.params)}, which has no curvature rule (its examples "
                 "mix, or it closes over values its record does not hold). Leave it out of the globs."
             )
-        return per_example, what
+        at = {p: leaf(o) for p, o in origin.items()}
+        argnums = {a[0] for a in at.values() if a is not None}
+        known = tuple((p, a and a[1]) for p, a in at.items())
+        return per_example, Layout(
+            "local", "", None, argnum=min(argnums, default=0), scans=scans,
+            leaves=known if len(argnums) <= 1 else tuple((p, None) for p in at),
+        )  # fmt: skip
     weight, bias = roles.get("weight"), roles.get("bias")
     if weight is None:
         raise ConfigError(f"{transform}: vk.curvature.stats: {where} has no weight among {sorted(params)}.")
-    _, (origins, _, _) = site.layout.split(site.origins)
-    origin = _flat(origins, lambda o: o is None or isinstance(o, _engine.Scanned))
     w_at, b_at = origin.get(weight), origin.get(bias) if bias else None
     scans = w_at.how if isinstance(w_at, _engine.Scanned) else ""
-
-    def leaf(at):  # the argument leaf given to the call as it is (sliced or closed over by scans)
-        if isinstance(at, _engine.Scanned) and at.how == scans and len(scans) == len(site.scans):
-            return paths[at.leaf]
-        return paths[at] if isinstance(at, int) and not site.scans else None
-
     w_leaf, b_leaf = leaf(w_at), leaf(b_at) if b_at is not None else None
     if kind.kind == "conv":
         n = params[weight].ndim - 2

@@ -12,6 +12,13 @@ patches and ``W`` as ``(kh*kw*...*c_in, c_out)``), inside a loss registered with
   sampled labels (``kfac``, the Monte-Carlo Fisher) or with the data's labels (``kfac_empirical``),
   each seed carrying the ``1/sqrt(N)`` of the mean. ``kron(A, G)`` is then the K-FAC
   approximation of the loss's GGN (Fisher) block of ``[vec(W); b]`` with ``W`` as ``(in, out)``.
+  A factor side longer than ``max_factor_dim`` is its diagonal only (a vector: ``A``'s or
+  ``G``'s diagonal), so ``kron`` is then with ``diag`` of it.
+* ``Diagonal(diagonal)``: the same estimator's field for a layer with no Kronecker rule (an
+  embedding, a norm's scale and shift, a residual bias, a transposed or custom layer): the
+  diagonal of the same curvature (``kflr``: the exact GGN's, ``= diag_ggn``; ``kfac``: the
+  Monte-Carlo Fisher's, ``= diag_ggn_mc``; ``kfac_empirical``: the empirical Fisher's,
+  ``N * sum_grad_squared``), keyed like the layer's ``params``.
 * the first-order statistics and the diagonal GGN are pytrees keyed like the layer's ``params``
   (BackPACK's conventions for a mean loss: the per-example gradient is that of ``l_n / N``).
 
@@ -32,10 +39,20 @@ import numpy as np
 
 
 class Factors(NamedTuple):
-    """A K-FAC pair: ``A`` over the layer's input (``[x, 1]`` with a bias), ``G`` over its output."""
+    """A K-FAC pair: ``A`` over the layer's input (``[x, 1]`` with a bias), ``G`` over its output.
+
+    Each is ``(..., d, d)``, or ``(..., d)`` (its diagonal) when ``d`` exceeds ``max_factor_dim``.
+    """
 
     A: jax.Array
     G: jax.Array
+
+
+class Diagonal(NamedTuple):
+    """A diagonal curvature block: ``diagonal`` keyed like the layer's ``params``, each entry
+    the curvature's diagonal for that parameter (its shape)."""
+
+    diagonal: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +60,8 @@ class Layout:
     """How a layer's parameters map to the K-FAC matrix ``[W; b]`` of shape ``(in [+1], out)``.
 
     Attributes:
-        kind: ``"dense"`` or ``"conv"``.
+        kind: ``"dense"`` or ``"conv"``; ``"local"`` for a layer with diagonal blocks only (its
+            leaves in ``leaves``).
         weight: the weight's path inside the layer's ``params`` (``"weight"``, ``"kernel"``, ...).
         bias: the bias's path inside ``params``, or ``None``.
         transpose: the weight leaf is stored ``(out, in)`` (Equinox); else ``(in..., out...)``.
@@ -58,6 +76,8 @@ class Layout:
             leaves are given to it as ``xs`` (stacked: a leading axis of the leaf per ``"s"``,
             one slice and one factor per iteration), ``"c"`` closed over (the same weight every
             iteration: its factors sum over that scan's iterations, as a shared weight's do).
+        leaves: a ``"local"`` layer's ``(param path, leaf key path or None)`` pairs, its
+            parameters' leaves in the differentiated argument ``argnum``.
     """
 
     kind: str
@@ -72,6 +92,7 @@ class Layout:
     weight_leaf: tuple | None = None
     bias_leaf: tuple | None = None
     scans: str = ""
+    leaves: tuple = ()
 
     @property
     def n_stacked(self) -> int:

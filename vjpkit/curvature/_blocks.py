@@ -1,0 +1,232 @@
+"""Curvature blocks: the preconditioner of one group of parameter leaves, as pure functions.
+
+Contract. A ``Block`` is a NamedTuple of pure functions over its ``BlockState(stats, cache)``,
+in the style of optax's ``(init, update)``; ``vk.curvature.kfac`` holds one per group of
+leaves and only routes statistics and gradients to them.
+
+* ``init() -> BlockState``: zero statistics; a cache of NaN (a block preconditions nothing
+  before its first statistics: a jitted update without them gives NaN, never a silent step).
+* ``update(state, stats, decay) -> BlockState``: the statistics' EMA,
+  ``decay * old + (1 - decay) * stats`` (``decay = 0`` takes ``stats`` as they are).
+* ``refresh(state, damping) -> BlockState``: the cache (inverses, eigendecompositions) from
+  the EMA statistics, with the Tikhonov ``damping``.
+* ``precondition(state, grads) -> grads``: the block's leaves' gradients (a tuple, in the
+  block's leaf order) preconditioned with the cache.
+* ``eigen(state) -> (bases, eigenvalues)``: the EMA statistics' eigendecomposition, side by
+  side (``None`` as the basis of a diagonal side: the identity).
+* ``sync(stats, axis_name) -> stats``: one step's statistics averaged over a mapped axis.
+
+Blocks: ``kronecker`` (``Factors(A, G)`` of the matrix ``[W; b]``, each side dense or, past
+``max_factor_dim``, diagonal) and ``diagonal`` (one diagonal per leaf). Statistics and caches
+have the leading axes ``lead`` of a stacked leaf (one block per ``lax.scan`` iteration,
+computed with ``jax.vmap``). Computations run in the block's ``dtype``; gradients keep theirs.
+This module imports only ``vjpkit.curvature._types`` of vjpkit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._types import Factors, Layout
+
+__all__ = ["Block", "BlockState", "Eigen", "diagonal", "kronecker"]
+
+
+class BlockState(NamedTuple):
+    """A block's EMA statistics and its cache (as of the last ``refresh``)."""
+
+    stats: Any
+    cache: Any
+
+
+class Eigen(NamedTuple):
+    """A Kronecker block's eigh cache: ``(A kron G + damping I)^-1`` is
+    ``U_A [. / (s_A s_G^T + damping)] U_G^T`` (a diagonal side's basis is empty: the identity)."""
+
+    u_a: jax.Array
+    s_a: jax.Array
+    u_g: jax.Array
+    s_g: jax.Array
+    damping: jax.Array
+
+
+class Block(NamedTuple):
+    """A curvature block's pure functions (see the module contract)."""
+
+    init: Callable[[], BlockState]
+    update: Callable[[BlockState, Any, Any], BlockState]
+    refresh: Callable[[BlockState, Any], BlockState]
+    precondition: Callable[[BlockState, tuple], tuple]
+    eigen: Callable[[BlockState], tuple]
+    sync: Callable[[Any, Any], Any]
+
+
+def _per_slice(f, lead: tuple, *xs: Any) -> Any:
+    """``f`` of each stacked slice of ``xs`` (leading axes ``lead``), stacked back."""
+    if not lead:
+        return f(*xs)
+    n = math.prod(lead)
+    flat = [jax.tree.map(lambda a: a.reshape(n, *a.shape[len(lead) :]), x) for x in xs]
+    out = jax.vmap(f)(*flat)
+    return jax.tree.map(lambda a: a.reshape(*lead, *a.shape[1:]), out)
+
+
+def _ema(old: Any, new: Any, decay: Any) -> Any:
+    return jax.tree.map(lambda o, x: decay * o + (1.0 - decay) * x.astype(o.dtype), old, new)
+
+
+def _sync(stats: Any, axis_name: Any) -> Any:
+    return stats if axis_name is None else jax.tree.map(lambda x: lax.pmean(x, axis_name), stats)
+
+
+def _nan(shape: tuple, dtype: Any) -> jax.Array:
+    return jnp.asarray(np.full(shape, np.nan, dtype))  # built in NumPy: no program per shape
+
+
+def _zeros(shape: tuple, dtype: Any) -> jax.Array:
+    return jnp.asarray(np.zeros(shape, dtype))
+
+
+def _side(x: jax.Array, diag: bool) -> jax.Array:
+    """A factor side's diagonal (its trace terms) whether it is stored dense or as a vector."""
+    return x if diag else jnp.diagonal(x, axis1=-2, axis2=-1)
+
+
+def kronecker(
+    layout: Layout,
+    d_a: int,
+    d_g: int,
+    *,
+    dtype: Any,
+    lead: tuple = (),
+    diag_a: bool = False,
+    diag_g: bool = False,
+    solver: str = "inverse",
+    pi_damping: bool = True,
+) -> Block:
+    """A Kronecker-factored block of the matrix ``M = [W; b]`` (``(d_a, d_g)``, ``layout``'s).
+
+    Statistics: ``Factors(A, G)``, each ``(d, d)``, or ``(d,)`` when ``diag_a`` / ``diag_g``.
+
+    * ``solver="inverse"``: ``A_d^-1 M G_d^-1``, ``A_d = A + pi sqrt(damping)``,
+      ``G_d = G + sqrt(damping) / pi`` with ``pi = sqrt((tr A / d_a) / (tr G / d_g))``
+      (Martens & Grosse sec. 6.3; 1 when ``pi_damping`` is False or a trace is 0), inverted
+      (a diagonal side by division).
+    * ``solver="eigh"``: the exactly damped ``(A kron G + damping I)^-1 vec M`` in the factors'
+      eigenbases, eigenvalues clipped at 0.
+
+    Grads: ``(weight,)`` or ``(weight, bias)`` leaves, with the leading axes ``lead``.
+    """
+    eye = lambda d: jnp.eye(d, dtype=dtype)
+
+    def init() -> BlockState:
+        stats = Factors(
+            _zeros((*lead, d_a) if diag_a else (*lead, d_a, d_a), dtype),
+            _zeros((*lead, d_g) if diag_g else (*lead, d_g, d_g), dtype),
+        )
+        if solver == "eigh":
+            u = lambda d, diag: _nan((*lead, 0) if diag else (*lead, d, d), dtype)
+            cache = Eigen(
+                u(d_a, diag_a), _zeros((*lead, d_a), dtype), u(d_g, diag_g), _zeros((*lead, d_g), dtype),
+                _nan(lead, dtype),
+            )  # fmt: skip
+        else:
+            cache = Factors(*(_nan(s.shape, dtype) for s in stats))
+        return BlockState(stats, cache)
+
+    def eigen_one(a, g):
+        def side(x, diag):
+            if diag:
+                return jnp.zeros((0,), x.dtype), jnp.maximum(x, 0.0)
+            s, u = jnp.linalg.eigh(x)
+            return u, jnp.maximum(s, 0.0)
+
+        (u_a, s_a), (u_g, s_g) = side(a, diag_a), side(g, diag_g)
+        return u_a, s_a, u_g, s_g
+
+    def invert_one(a, g, damping):
+        if solver == "eigh":
+            return Eigen(*eigen_one(a, g), jnp.asarray(damping, dtype))
+        if pi_damping:
+            ta, tg = jnp.sum(_side(a, diag_a)) / d_a, jnp.sum(_side(g, diag_g)) / d_g
+            ok = (ta > 0) & (tg > 0)
+            pi = jnp.where(ok, jnp.sqrt(jnp.where(ok, ta, 1.0) / jnp.where(ok, tg, 1.0)), 1.0)
+        else:
+            pi = jnp.ones((), dtype)
+        sq = math.sqrt(damping)
+
+        def inv(x, diag, shift, d):
+            if diag:
+                return 1.0 / (x + shift)
+            # LU, not cho_solve: cho_solve's program beside the diagonal blocks' hung XLA:CPU's
+            # concurrency-optimized scheduler of jaxlib 0.10.x (no hang with this, 3 of 3 runs)
+            return jnp.linalg.inv(x + shift * eye(d))
+
+        return Factors(inv(a, diag_a, pi * sq, d_a), inv(g, diag_g, sq / pi, d_g))
+
+    def apply_one(cache, m):
+        left = lambda u, x: x if diag_a else u @ x
+        right = lambda x, u: x if diag_g else x @ u
+        if solver == "eigh":
+            rotated = right(left(cache.u_a.T if not diag_a else None, m), cache.u_g)
+            scaled = rotated / (cache.s_a[:, None] * cache.s_g[None, :] + cache.damping)
+            return right(left(cache.u_a, scaled), cache.u_g.T if not diag_g else None)
+        m = cache.A[:, None] * m if diag_a else cache.A @ m
+        return m * cache.G[None, :] if diag_g else m @ cache.G
+
+    def refresh(state: BlockState, damping: Any) -> BlockState:
+        cache = _per_slice(lambda a, g: invert_one(a, g, damping), lead, *state.stats)
+        return BlockState(state.stats, cache)
+
+    def precondition(state: BlockState, grads: tuple) -> tuple:
+        def one(cache, w, *b):
+            m = layout.to_matrix(w).astype(dtype)
+            if b:
+                m = jnp.concatenate([m, b[0].reshape(1, -1).astype(dtype)], axis=0)
+            p = apply_one(cache, m)
+            pw = layout.from_matrix(p[:-1] if b else p, w.shape).astype(w.dtype)
+            return (pw, p[-1].reshape(b[0].shape).astype(b[0].dtype)) if b else (pw,)
+
+        return _per_slice(one, lead, state.cache, *grads)
+
+    def eigen(state: BlockState) -> tuple:
+        u_a, s_a, u_g, s_g = _per_slice(eigen_one, lead, *state.stats)
+        return (None if diag_a else u_a, None if diag_g else u_g), (s_a, s_g)
+
+    def update(state: BlockState, stats: Any, decay: Any) -> BlockState:
+        return BlockState(Factors(*_ema(tuple(state.stats), tuple(stats), decay)), state.cache)
+
+    return Block(init, update, refresh, precondition, eigen, _sync)
+
+
+def diagonal(shapes: tuple[tuple[int, ...], ...], *, dtype: Any) -> Block:
+    """A diagonal block of leaves of ``shapes``: each gradient entry divided by its damped
+    curvature diagonal, ``g / (d + damping)`` (exact damping; the same under both solvers).
+
+    Statistics: a tuple of one diagonal per leaf (its shape); cache: the damped reciprocals.
+    """
+
+    def init() -> BlockState:
+        stats = tuple(_zeros(s, dtype) for s in shapes)
+        return BlockState(stats, tuple(_nan(s, dtype) for s in shapes))
+
+    def update(state: BlockState, stats: Any, decay: Any) -> BlockState:
+        return BlockState(tuple(_ema(state.stats, tuple(stats), decay)), state.cache)
+
+    def refresh(state: BlockState, damping: Any) -> BlockState:
+        return BlockState(state.stats, tuple(1.0 / (jnp.maximum(d, 0.0) + damping) for d in state.stats))
+
+    def precondition(state: BlockState, grads: tuple) -> tuple:
+        return tuple((g.astype(dtype) * c).astype(g.dtype) for g, c in zip(grads, state.cache, strict=True))
+
+    def eigen(state: BlockState) -> tuple:
+        return tuple(None for _ in shapes), state.stats
+
+    return Block(init, update, refresh, precondition, eigen, _sync)
