@@ -36,7 +36,7 @@ from jax import lax
 
 from ._types import Factors, Layout
 
-__all__ = ["Block", "BlockState", "Eigen", "diagonal", "kronecker"]
+__all__ = ["Block", "BlockState", "Eigen", "diagonal", "kronecker", "per_slice", "side_diagonal"]
 
 
 class BlockState(NamedTuple):
@@ -68,7 +68,7 @@ class Block(NamedTuple):
     sync: Callable[[Any, Any], Any]
 
 
-def _per_slice(f, lead: tuple, *xs: Any) -> Any:
+def per_slice(f, lead: tuple, *xs: Any) -> Any:
     """``f`` of each stacked slice of ``xs`` (leading axes ``lead``), stacked back."""
     if not lead:
         return f(*xs)
@@ -94,7 +94,7 @@ def _zeros(shape: tuple, dtype: Any) -> jax.Array:
     return jnp.asarray(np.zeros(shape, dtype))
 
 
-def _side(x: jax.Array, diag: bool) -> jax.Array:
+def side_diagonal(x: jax.Array, diag: bool) -> jax.Array:
     """A factor side's diagonal (its trace terms) whether it is stored dense or as a vector."""
     return x if diag else jnp.diagonal(x, axis1=-2, axis2=-1)
 
@@ -155,7 +155,7 @@ def kronecker(
         if solver == "eigh":
             return Eigen(*eigen_one(a, g), jnp.asarray(damping, dtype))
         if pi_damping:
-            ta, tg = jnp.sum(_side(a, diag_a)) / d_a, jnp.sum(_side(g, diag_g)) / d_g
+            ta, tg = jnp.sum(side_diagonal(a, diag_a)) / d_a, jnp.sum(side_diagonal(g, diag_g)) / d_g
             ok = (ta > 0) & (tg > 0)
             pi = jnp.where(ok, jnp.sqrt(jnp.where(ok, ta, 1.0) / jnp.where(ok, tg, 1.0)), 1.0)
         else:
@@ -172,17 +172,17 @@ def kronecker(
         return Factors(inv(a, diag_a, pi * sq, d_a), inv(g, diag_g, sq / pi, d_g))
 
     def apply_one(cache, m):
-        left = lambda u, x: x if diag_a else u @ x
-        right = lambda x, u: x if diag_g else x @ u
-        if solver == "eigh":
-            rotated = right(left(cache.u_a.T if not diag_a else None, m), cache.u_g)
+        if solver == "eigh":  # a diagonal side's basis is the identity
+            rotated = m if diag_a else cache.u_a.T @ m
+            rotated = rotated if diag_g else rotated @ cache.u_g
             scaled = rotated / (cache.s_a[:, None] * cache.s_g[None, :] + cache.damping)
-            return right(left(cache.u_a, scaled), cache.u_g.T if not diag_g else None)
+            scaled = scaled if diag_a else cache.u_a @ scaled
+            return scaled if diag_g else scaled @ cache.u_g.T
         m = cache.A[:, None] * m if diag_a else cache.A @ m
         return m * cache.G[None, :] if diag_g else m @ cache.G
 
     def refresh(state: BlockState, damping: Any) -> BlockState:
-        cache = _per_slice(lambda a, g: invert_one(a, g, damping), lead, *state.stats)
+        cache = per_slice(lambda a, g: invert_one(a, g, damping), lead, *state.stats)
         return BlockState(state.stats, cache)
 
     def precondition(state: BlockState, grads: tuple) -> tuple:
@@ -194,10 +194,10 @@ def kronecker(
             pw = layout.from_matrix(p[:-1] if b else p, w.shape).astype(w.dtype)
             return (pw, p[-1].reshape(b[0].shape).astype(b[0].dtype)) if b else (pw,)
 
-        return _per_slice(one, lead, state.cache, *grads)
+        return per_slice(one, lead, state.cache, *grads)
 
     def eigen(state: BlockState) -> tuple:
-        u_a, s_a, u_g, s_g = _per_slice(eigen_one, lead, *state.stats)
+        u_a, s_a, u_g, s_g = per_slice(eigen_one, lead, *state.stats)
         return (None if diag_a else u_a, None if diag_g else u_g), (s_a, s_g)
 
     def update(state: BlockState, stats: Any, decay: Any) -> BlockState:

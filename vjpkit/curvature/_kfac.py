@@ -13,18 +13,21 @@ inverts and applies them.
   ``in_ndim=3``), the bias to a last row, ``M = [W; b]`` of shape ``(in [+1], out)``. The paths
   are looked up in the tree given to ``init`` and ``update`` (``Layout.argnum`` is not read:
   give the optimizer the differentiated argument's tree).
-* Shared leaves. All records naming the same weight leaf (a weight called twice, ``fc1`` and
-  ``fc1#1``, or closed over by a ``lax.scan``, with one factor per iteration along leading
-  axes) form one block: their ``A``'s are summed and their ``G``'s are summed, separately. The
-  block's state is keyed by its first layer name in ``like``'s order.
+* Blocks (``_blocks``). ``like``'s calls are grouped by the leaves they read. A group of
+  ``Factors`` calls of one layout (a weight called twice, ``fc1`` and ``fc1#1``, or closed over
+  by a ``lax.scan``, one factor per iteration along leading axes) is one Kronecker block: their
+  ``A``'s are summed and their ``G``'s are summed, separately. Any other group (``Diagonal``
+  calls: embeddings, norm affines, residual biases; or calls of different kinds or layouts on
+  one leaf, a tied embedding) is one diagonal block, the sum of its calls' diagonals (a
+  ``Factors`` call's ``diag(A) kron diag(G)``). A block's state is keyed by its first layer name
+  in ``like``'s order.
 * Stacked leaves. A weight given to ``lax.scan`` as ``xs`` (blocks over stacked weights,
   ``Layout.scans`` with ``"s"``) is one block per slice: its factors, their EMA and inverses
   keep the iterations' leading axes, and each slice of the leaf is preconditioned by its own
   (``jax.vmap`` over the slices), exactly as the same model unrolled into separate weights.
-* Fallback. Leaves no layer covers, and layers without a weight leaf path (a weight computed in
-  the loss or carried through a scan, or a bias row the factors include but no bias leaf), get
-  the plain gradient, ``-learning_rate * g`` (SGD); the latter are warned about once
-  (``UserWarning``).
+* Fallback. Leaves no call of ``like`` covers, and calls without a leaf path (a weight computed
+  in the loss or carried through a scan, a bias row the factors include but no bias leaf), get
+  the plain gradient, ``-learning_rate * g`` (SGD), each warned about once (``UserWarning``).
 * Statistics. ``A_ema = decay * A_ema + (1 - decay) * A`` (same for ``G``), the EMA taking the
   first step's factors themselves (initialised at the first observation, not bias-corrected).
   With ``axis_name`` the step's factors are ``lax.pmean``-ed over that axis before the EMA.
@@ -42,7 +45,8 @@ inverts and applies them.
   rate are optax's ``trace`` and ``scale_by_learning_rate``).
 
 Computations run in the factors' dtype promoted to at least float32; outputs take each leaf's
-dtype. This module imports only ``vjpkit._errors`` and ``vjpkit.curvature._types`` of vjpkit.
+dtype. This module imports only ``vjpkit._errors`` and ``vjpkit.curvature._blocks`` /
+``_types`` of vjpkit.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import optax
 from jax import lax
 
 from vjpkit._errors import ConfigError
-from vjpkit.curvature._blocks import Block, BlockState, diagonal, kronecker
+from vjpkit.curvature._blocks import Block, BlockState, diagonal, kronecker, per_slice, side_diagonal
 from vjpkit.curvature._types import Diagonal, Factors, LayerCurvature, Layout, stats_dtype
 
 __all__ = ["KfacState", "kfac"]
@@ -187,22 +191,16 @@ def _kron_diagonal(call: _Call, f: Factors, shapes: list) -> list:
     """``diag(A kron G)`` of a Factors call laid out as its weight (and bias) leaves."""
     scans = call.layout.scans
     _, _, _, diag_a, diag_g = _kron_dims(call)
-    a = _lead_sum(_diag(jnp.asarray(f.A), diag_a), scans, 1)
-    g = _lead_sum(_diag(jnp.asarray(f.G), diag_g), scans, 1)
+    a = _lead_sum(side_diagonal(jnp.asarray(f.A), diag_a), scans, 1)
+    g = _lead_sum(side_diagonal(jnp.asarray(f.G), diag_g), scans, 1)
     outer = a[..., :, None] * g[..., None, :]
     k = call.layout.n_stacked
-    w_shape = shapes[0]
-    n_in = call.layout.matrix_shape(w_shape[k:])[0]
-    w = outer[..., :n_in, :].reshape(*w_shape[:k], n_in, -1)
-    w = jax.vmap(lambda m: call.layout.from_matrix(m, w_shape[k:]))(w.reshape(-1, *w.shape[k:]))
-    out = [w.reshape(w_shape)]
+    w_shape = shapes[0][k:]
+    n_in = call.layout.matrix_shape(w_shape)[0]
+    out = [per_slice(lambda m: call.layout.from_matrix(m[:n_in], w_shape), shapes[0][:k], outer)]
     if len(shapes) > 1:
         out.append(outer[..., -1, :].reshape(shapes[1]))
     return out
-
-
-def _diag(x: jax.Array, diag: bool) -> jax.Array:
-    return x if diag else jnp.diagonal(x, axis1=-2, axis2=-1)
 
 
 class _Plan(NamedTuple):
@@ -274,9 +272,7 @@ def _same_kron(calls: list[_Call]) -> bool:
     return all(sig(c) == sig(head) for c in calls)
 
 
-def _build(
-    plan: _Plan, shapes: Mapping[tuple, tuple], dtype: Any, estimator: str, solver: str, pi_damping: bool
-) -> list:
+def _build(plan: _Plan, shapes: Mapping[tuple, tuple], estimator: str, solver: str, pi_damping: bool) -> list:
     """The plan's blocks for leaves of ``shapes`` (leaf path -> shape): a Kronecker block per
     group of ``_same_kron`` calls, else a diagonal block over the group's leaves, each call
     adding its diagonal (a Factors call ``diag(A kron G)``)."""
@@ -433,10 +429,7 @@ def kfac(
             "the model's layers (jax.eval_shape of the step)."
         )
     plan = _plan(like, estimator)
-    first = next(
-        iter(jax.tree.leaves(_stat_of(like[c.name], c.name, estimator, "like")) for c in plan.calls), []
-    )
-    dtype = jax.dtypes.canonicalize_dtype(stats_dtype(first[0].dtype if first else np.float32))
+    built: dict[tuple, list] = {}  # the blocks per leaf shapes (init and every update trace)
     tail = optax.chain(
         optax.trace(decay=momentum) if momentum is not None else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
@@ -463,12 +456,10 @@ def kfac(
                         "captured for (the layout's paths are relative to the differentiated argument)."
                     )
         shapes = {tuple(p): tuple(np.shape(x)) for p, x in flat}
-        return (
-            _build(plan, shapes, dtype, estimator, solver, pi_damping),
-            index,
-            [x for _, x in flat],
-            treedef,
-        )
+        key = tuple(shapes.items())
+        if key not in built:
+            built[key] = _build(plan, shapes, estimator, solver, pi_damping)
+        return built[key], index, [x for _, x in flat], treedef
 
     def uncovered(index: dict) -> list[str]:
         owned = plan.owned

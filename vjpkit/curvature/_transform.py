@@ -252,7 +252,8 @@ def _example_axis(traced: Any, site: Any, rule: Any, spec: StatsSpec, n: int, tr
     """The axis of the call's output that holds the ``n`` examples of the registered loss, found
     by following each candidate axis to the registered output (``_examples``): the one that
     arrives at its axis 0 with no example mixed with another on the way. 0 when only K-FAC
-    factors are asked for (they read rows, not examples) or when the call does not reach the
+    factors are asked for of a dense or conv call (they read rows, not examples; a local layer's
+    K-FAC fields are its per-example diagonal) or when the call does not reach the
     loss (its statistics are zero); a ``ConfigError`` naming the layer when the examples mix
     between it and the loss, or when no axis (or more than one) carries them there."""
     local = not isinstance(rule, Layout)  # its K-FAC fields are per-example diagonals too
@@ -439,9 +440,9 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
     _, (origins, _, _) = site.layout.split(site.origins)
     origin = _flat(origins, lambda o: o is None or isinstance(o, _engine.Scanned))
     scanned = [o.how for o in origin.values() if isinstance(o, _engine.Scanned)]
-    scans = scanned[0] if scanned else ""
+    scans = scanned[0] if scanned else ""  # a local layer's; a dense layer's is its weight's
 
-    def leaf(at):  # the argument leaf given to the call as it is (sliced or closed over by scans)
+    def leaf(at, scans):  # the argument leaf given to the call as it is (sliced or closed over)
         if isinstance(at, _engine.Scanned) and at.how == scans and len(scans) == len(site.scans):
             return paths[at.leaf]
         return paths[at] if isinstance(at, int) and not site.scans else None
@@ -466,7 +467,7 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
                 f"{_format.describe(site.record.params)}, which has no curvature rule (its examples "
                 "mix, or it closes over values its record does not hold). Leave it out of the globs."
             )
-        at = {p: leaf(o) for p, o in origin.items()}
+        at = {p: leaf(o, scans) for p, o in origin.items()}
         argnums = {a[0] for a in at.values() if a is not None}
         known = tuple((p, a and a[1]) for p, a in at.items())
         return per_example, Layout(
@@ -478,7 +479,7 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
         raise ConfigError(f"{transform}: vk.curvature.stats: {where} has no weight among {sorted(params)}.")
     w_at, b_at = origin.get(weight), origin.get(bias) if bias else None
     scans = w_at.how if isinstance(w_at, _engine.Scanned) else ""
-    w_leaf, b_leaf = leaf(w_at), leaf(b_at) if b_at is not None else None
+    w_leaf, b_leaf = leaf(w_at, scans), leaf(b_at, scans) if b_at is not None else None
     if kind.kind == "conv":
         n = params[weight].ndim - 2
         return Layout(
