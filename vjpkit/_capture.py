@@ -5,6 +5,8 @@ passes as ``capture=`` (a glob, a list of globs, a spec, or a list of specs) int
 ``reduce_record`` keeps the chosen fields of a record and reduces each array leaf inside
 the graph: with one reduction a leaf becomes a float32 scalar (a ``(bins,)`` vector for a
 histogram); with several, a dict ``{reduction name: value}``. Unchosen fields become ``None``.
+A spec whose ``reduce`` is a ``RecordFn`` (vjpkit's own tools, not ``capture``) reduces the
+whole record at once to any pytree of arrays.
 """
 
 from __future__ import annotations
@@ -88,6 +90,14 @@ class histogram(NamedTuple):  # noqa: N801  (used like a reduction name)
         index = jnp.clip(jnp.floor((x - lo) / (hi - lo) * self.bins), 0, self.bins - 1).astype(jnp.int32)
         weights = jnp.isfinite(x).astype(jnp.float32)
         return jnp.zeros((self.bins,), jnp.float32).at[index].add(weights)
+
+
+class RecordFn(NamedTuple):
+    """A reduction of the whole record, ``fn(record) -> pytree of arrays``, run inside the graph
+    where the record is made (one scan iteration's, under ``lax.scan``). For vjpkit's tools:
+    per-example statistics that need several fields of a call at once."""
+
+    fn: Callable
 
 
 class CaptureSpec(NamedTuple):
@@ -225,6 +235,8 @@ def reduce_record(rec: Cotangents, spec: CaptureSpec, shapes: bool = False) -> C
     With ``shapes``, ``rec`` holds ``ShapeDtypeStruct`` s and the result is the reduced record's
     shapes, without tracing (as ``jax.eval_shape`` of the reduction gives them, at a fraction of
     its cost: the plan asks once per captured call)."""
+    if isinstance(spec.reduce, RecordFn):
+        return jax.eval_shape(spec.reduce.fn, rec) if shapes else spec.reduce.fn(rec)
     changes = {}
     for field in FIELDS:
         value = getattr(rec, field)

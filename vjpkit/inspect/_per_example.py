@@ -50,6 +50,11 @@ Each parameter leaf gets its per-example gradient one of these ways:
   for dense). A leaf the scans close over (the same weight every iteration) gets the sum over
   iterations: each iteration is one more call (for dense, rows stacked on ``T``, so the norm
   of the sum with its cross terms). A leaf sliced by some uses and not by others falls back.
+  ``per_example_grad_norms`` (norms only) reduces each iteration of a call whose leaves are its
+  own and sliced by its scans to that iteration's squared norms (and its check, against the
+  record's own ``grad_params``) inside the backward pass, where the record is made: no record
+  is stacked over the iterations (``dp_clip`` and ``gradient_stats`` need the records after the
+  pass, and stack them).
 * dense (``weight (in, out)``, optional ``bias (out,)``, output ``input @ weight + bias`` on the
   last axis; Flax ``Dense``/``DenseGeneral``, NNX and Equinox ``Linear`` by their kind): from
   the records' ``input`` ``X_i`` and ``grad_output`` ``D_i`` of every call, example axis first,
@@ -127,6 +132,7 @@ from jax.extend import core as jcore
 
 from .. import _compat, _engine, _format, stats
 from .._autodiff import value_and_grad as _vk_value_and_grad
+from .._capture import CaptureSpec, RecordFn
 from .._capture import capture as _capture
 from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
@@ -519,15 +525,16 @@ _NOT_PER_EXAMPLE = (
 )
 
 
-def _view(call: _Call, rec: Any, batch_size: int) -> _View | str:
+def _view(call: _Call, rec: Any, batch_size: int, stacked: bool = True) -> _View | str:
     """The call's record as a ``_View``, or why it has none. Under ``lax.scan`` the record is
-    stacked on the enclosing scans' lengths (outermost first): one leading axis in the view."""
+    stacked on the enclosing scans' lengths (outermost first): one leading axis in the view
+    (``stacked=False``: one iteration's record, as the backward pass makes it)."""
     xs, one_x = jax.tree.leaves(rec.input), jax.tree.leaves(call.record.input)
     ds, one_d = _none_leaves(rec.grad_output), _none_leaves(call.record.grad_output)
     if len(xs) != len(one_x) or len(ds) != len(one_d):
         return "no fast path: its record does not match the program's"
     iters = None
-    if call.scans:
+    if call.scans and stacked:
         n, lead = len(call.scans), tuple(call.scans)
         if any(a is not None and tuple(np.shape(a))[:n] != lead for a in (*xs, *ds)):
             return "no fast path: its record is not stacked on the scan's iterations"
@@ -836,11 +843,16 @@ def analyze(
     conv: dict | None = None,
     select: Callable[[str], bool] | None = None,
     capture_fields: Sequence[str] = ("input", "grad_output"),
+    norms_only: bool = False,
 ) -> Analysis:
     """Runs the loss once (forward, one backward) and sets up each leaf's per-example gradients.
 
     ``select(layer name)`` limits the per-example work to the leaves of some layers (the others,
     and leaves used by no layer, get ``None``); all leaves are analysed when it is ``None``.
+    With ``norms_only`` the caller asks the leaves for ``sq_norms`` alone: a call under
+    ``lax.scan`` whose leaves are its own and sliced by the scans then reduces each iteration's
+    record to its leaves' squared norms inside the backward pass (``_in_backward``), so its
+    records are never stacked over the iterations.
     """
     batch_size = _batch_size(batch, who)
     flat_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -919,7 +931,34 @@ def analyze(
         return "weight" in shapes and set(shapes) <= {"weight", "bias"} and len(shapes["weight"]) in (2, 3, 4)
 
     names = sorted({c.name for c in calls if _could_be_fast(c)})
-    specs = [_capture([_escape(n) for n in names], fields=list(capture_fields))] if names else []
+    calls_by_key = {c.key: c for c in calls}
+    # Calls under lax.scan whose every leaf is theirs alone and sliced by the scans: each
+    # iteration's squared norms are formed where its record is, in the backward pass.
+    decided: dict[str, tuple] = {}  # call key -> what _classify said, as the backward pass ran it
+    in_backward = {}
+    if norms_only:
+        counts: dict[str, int] = {}
+        for c in all_calls:
+            counts[c.name] = counts.get(c.name, 0) + 1
+
+        def own_stacked(c: _Call) -> bool:  # every leaf its alone, sliced by its scans
+            return all(
+                wanted[ix] and ix not in outside and ix not in given and len(users[ix]) == 1
+                and c.modes.get(ix) == "stacked"
+                for ix in c.order
+            )  # fmt: skip
+
+        for c in calls:
+            # (outside scans, a conv's kernel gradients would be formed beside its own: slower)
+            if c.scans and c.name in names and counts[c.name] == 1 and None not in c.order and own_stacked(c):
+                in_backward[c.key] = c
+    specs = [
+        CaptureSpec((_escape(c.name),), tuple(capture_fields), RecordFn(fn))
+        for c in in_backward.values()
+        if (fn := _in_backward(c, calls_by_key, batch_size, conv, check, scaled, decided))
+    ]
+    full = [n for n in names if n not in {c.name for c in in_backward.values()}]
+    specs += [_capture([_escape(n) for n in full], fields=list(capture_fields))] if full else []
     if specs:
         ((loss, losses), grads), captured = _vk_value_and_grad(run, has_aux=True, capture=specs)(
             run_params, *batch
@@ -938,14 +977,15 @@ def analyze(
     grad_leaves = jax.tree.leaves(grads)
     param_leaves = jax.tree.leaves(params)
 
-    calls_by_key = {c.key: c for c in calls}
     views: dict[str, _View] = {}
     # Which calls use each leaf, and how; why a call has no fast path.
     uses: list[list[_Use | None]] = [[] for _ in paths]
     why: dict[str, str] = {}
     for c in calls:
         kind, cfg = None, "no fast path for this layer type"
-        if c.name in names and c.key in captured:
+        if c.key in in_backward:
+            kind, cfg = decided.get(c.key, (None, "no fast path: its backward pass did not run"))
+        elif c.name in names and c.key in captured:
             view = _view(c, captured[c.key], batch_size)
             if isinstance(view, str):
                 cfg = view
@@ -973,6 +1013,13 @@ def analyze(
             leaves.append(_Materialized(scaled(per_given[i])))
             continue
         u = uses[i]
+        if u and u[0] is not None and u[0].key in in_backward:  # reduced in the backward pass
+            c = calls_by_key[u[0].key]
+            note = "layer of no known kind" if u[0].conv == "custom" else c.foreign and c.foreign.note
+            if u[0].kind == "local" and note:
+                noted.setdefault(c.key, (note, []))[1].append(paths[i])
+            leaves.append(_Summed(captured[c.key][u[0].role], len(c.scans)))
+            continue
         kinds = {(x.kind, x.role) for x in u if x is not None}
         if kinds and kinds <= _ROWS:  # dense weights and lookups: one matrix form, cross terms kept
             kinds = {("rows", "weight")}
@@ -1029,6 +1076,50 @@ def analyze(
             flat[i] = (done[1] / jnp.float32(scale)).astype(flat[i].dtype)
     grads = jax.tree.unflatten(treedef, flat)
     return Analysis(loss, grads, batch_size, paths, owners, leaves, treedef, captured, calls)
+
+
+class _Summed(_Leaf):
+    """A stacked leaf's squared norms (and check), formed per iteration in the backward pass
+    (``_in_backward``): ``{"sq": (*iterations, B), "ok": (*iterations,) or None}``."""
+
+    def __init__(self, part: dict, n_scans: int):
+        self.sq = jnp.sum(part["sq"], axis=tuple(range(n_scans)))
+        self.ok = None if part.get("ok") is None else jnp.all(part["ok"] > 0.5)
+
+    def sq_norms(self):
+        return self.guard(self.sq)
+
+
+def _in_backward(
+    call: _Call, calls_by_key: dict, batch_size: int, conv: dict, check: bool, scaled, decided: dict
+) -> Callable:
+    """``fn(record)`` of one iteration of a call under ``lax.scan`` whose leaves are its alone and
+    sliced by the scans: ``{role: {"sq": ||g_ik||^2 (B,), "ok": its check}}``, the leaf built
+    from this iteration's record as ``_Stacked`` builds it (the check against the record's own
+    ``grad_params``, which is iteration ``k``'s slice of the batch gradient). What ``_classify``
+    said goes to ``decided``; a call it rejects gives ``{}`` and its leaves fall back."""
+
+    def fn(rec):
+        view = _view(call, rec, batch_size, stacked=False)
+        kind, cfg = (None, view) if isinstance(view, str) else _classify(call, view, conv)
+        decided[call.key] = (kind, cfg)
+        if kind is None:
+            return {}
+        p = dict(zip(call.order, jax.tree.leaves(rec.params)))
+        batch_grads = dict(zip(call.params, _none_leaves(rec.grad_params)))
+        out = {}
+        for role, (_, shape) in call.params.items():
+            rows = (kind, role) in _ROWS
+            agg = None if not check or (rows and call.foreign is not None) else batch_grads[role]
+            use = _Use(call.key, role, kind, cfg)
+            leaf = _build_leaf(
+                "rows" if rows else kind, role, [view], [use], calls_by_key, p, shape, agg, scaled
+            )
+            ok = None if leaf.ok is None else leaf.ok.astype(jnp.float32)
+            out[role] = {"sq": leaf.sq_norms(), "ok": ok}
+        return out
+
+    return fn
 
 
 def _build_leaf(kind, role, vs, u, calls_by_key, param_leaves, shape, agg, scaled) -> _Leaf:
@@ -1344,7 +1435,9 @@ def per_example_grad_norms(
         raise ConfigError(f"{who}: loss_fn must be callable, got {type(loss_fn).__name__}.")
 
     def norms_fn(params, *batch):
-        a = analyze(loss_fn, params, batch, reduction=reduction, who=who, check=check, conv=conv)
+        a = analyze(
+            loss_fn, params, batch, reduction=reduction, who=who, check=check, conv=conv, norms_only=True
+        )
         return a.loss, a.grads, _norms(a)
 
     return norms_fn
