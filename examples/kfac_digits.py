@@ -7,7 +7,9 @@ Each optimizer trains the same model from the same initialisation on the same ba
   Monte-Carlo Fisher factors of every layer, one sampled label per example, from one extra
   backward pass), and ``vk.curvature.kfac`` (an optax transformation) keeps their EMA, inverts
   them every ``--update-every`` steps and preconditions each layer's gradient;
-* **Adam** and **SGD with momentum**: the same loss, plain ``optax``.
+* **Adam**, tuned: the best of ``--adam-lrs`` (five learning rates by default) on the same
+  batches, by final loss (each candidate is a full run; only the best is shown);
+* **SGD with momentum**: the same loss, plain ``optax``.
 
 It prints the training loss of each at equal steps and at equal wall time (the time the fastest
 run took, compilation excluded), and with ``--plot PATH`` draws the loss against steps and
@@ -87,6 +89,14 @@ def train(name, loss_fn, optimizer, params, data, capture=None) -> dict:
     return {"name": name, "loss": np.array(losses), "seconds": np.array(seconds), "params": state.params}
 
 
+def tuned_adam(loss_fn, params, data, lrs: list[float]) -> dict:
+    """The Adam run with the lowest final loss (10-step mean) over the learning rates ``lrs``."""
+    runs = [train("Adam", loss_fn, optax.adam(lr), params, data) | {"lr": lr} for lr in lrs]
+    best = min(runs, key=lambda r: np.nan_to_num(np.mean(r["loss"][-10:]), nan=np.inf))
+    best["name"] = f"Adam (lr {best['lr']:g}, best of {len(lrs)})"
+    return best
+
+
 def loss_at(run: dict, t: float) -> float:
     """The training loss (a 10-step running mean) of the last step finished by time ``t``."""
     i = max(int(np.searchsorted(run["seconds"], t, side="right")) - 1, 0)
@@ -105,7 +115,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--kfac-lr", type=float, default=0.05)
     parser.add_argument("--damping", type=float, default=0.1)
     parser.add_argument("--update-every", type=int, default=5)
-    parser.add_argument("--adam-lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--adam-lrs", default="3e-4,1e-3,3e-3,1e-2,3e-2", help="Adam's learning rates; the best is shown"
+    )
     parser.add_argument("--sgd-lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default=None, help="save the loss curves to this image file")
@@ -119,12 +131,12 @@ def main(argv=None) -> dict:
     opt, spec = kfac_optimizer(loss_fn, params, data[0], args)
     runs = [
         train("K-FAC", loss_fn, opt, params, data, capture=spec),
-        train("Adam", loss_fn, optax.adam(args.adam_lr), params, data),
+        tuned_adam(loss_fn, params, data, [float(v) for v in args.adam_lrs.split(",")]),
         train("SGD", loss_fn, optax.sgd(args.sgd_lr, momentum=0.9), params, data),
     ]
     equal_time = min(r["seconds"][-1] for r in runs)
     print(f"{args.model}, batch {args.batch_size}, {args.steps} steps (losses: 10-step running means)")
-    print(f"{'optimizer':<10} {'loss @ last step':>16} {'seconds':>8} {'ms/step':>8} "
+    print(f"{'optimizer':<26} {'loss @ last step':>16} {'seconds':>8} {'ms/step':>8} "
           f"{f'loss @ {equal_time:.2f} s':>16} {'test acc':>9}")  # fmt: skip
     for r in runs:
         r["final"] = float(np.mean(r["loss"][-10:]))
@@ -132,7 +144,7 @@ def main(argv=None) -> dict:
         r["test_accuracy"] = accuracy(model, r["params"], x_test, y_test)
         ms = 1e3 * r["seconds"][-1] / len(r["loss"])
         print(
-            f"{r['name']:<10} {r['final']:>16.4f} {r['seconds'][-1]:>8.2f} {ms:>8.2f} "
+            f"{r['name']:<26} {r['final']:>16.4f} {r['seconds'][-1]:>8.2f} {ms:>8.2f} "
             f"{r['at_equal_time']:>16.4f} {r['test_accuracy']:>9.3f}"
         )
     if args.plot:
@@ -155,7 +167,9 @@ def main(argv=None) -> dict:
         fig.savefig(args.plot, dpi=110)
         print(f"saved {args.plot}")
     return {
-        r["name"]: {k: r[k] for k in ("loss", "seconds", "final", "at_equal_time", "test_accuracy")}
+        r["name"].split(" (")[0]: {
+            k: r[k] for k in ("loss", "seconds", "final", "at_equal_time", "test_accuracy")
+        }
         for r in runs
     }
 

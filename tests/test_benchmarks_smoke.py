@@ -336,3 +336,26 @@ def test_cnn_peers_pool_like_vjpkit_and_also_their_own_way():
     assert list(losses) == ["raw JAX", *FLAX_ROWS, *own[:2], "Equinox", own[2]]
     for name, two_steps in losses.items():
         assert two_steps == pytest.approx(losses["raw JAX"], abs=1e-5), name
+
+
+def test_curvature_race_runs_and_writes_its_table(tmp_path):
+    """``curvature_race.py --quick``: every problem and optimizer has a row, the target is Adam's
+    final loss, and a setting that reaches it says when (no timing asserted)."""
+    pytest.importorskip("sklearn")
+    out = tmp_path / "race.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "curvature_race.py"), "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=smoke_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["problem"] for r in res["results"]] == ["mlp", "cnn", "autoencoder"]
+    for r in res["results"]:
+        assert set(r["rows"]) == {"Adam", "SGD", "K-FAC"}
+        assert r["target"] == pytest.approx(r["rows"]["Adam"]["final_loss"])
+        for row in r["rows"].values():
+            assert len(row["curve"]) == r["steps"]
+            if row["steps_to_target"] is not None:
+                assert row["curve"][row["steps_to_target"] - 1] <= r["target"]
+        assert r["rows"]["K-FAC"]["refresh_step_ms"] > 0
+    assert "| mlp |" in proc.stdout

@@ -329,3 +329,66 @@ def test_gpt2_shaped_lm_full_size_statistics_fit_in_memory():
         assert compiled.memory_analysis().temp_size_in_bytes < 4 * 2**30
         like = jax.eval_shape(step, params, x, y, key=key)[1]
         assert like["embed#1"].kfac.G.shape == (50257,)
+
+
+# --- leaves no layer reads: a diagonal block from the Monte-Carlo passes' gradients ----------
+
+
+def tempered(p, x):  # a temperature and per-class log-gains: leaves read by no layer
+    return model(p, x) / p["temp"] * jnp.exp(p["gain"])
+
+
+def tempered_loss(p, x, y):
+    return vk.curvature.softmax_cross_entropy(tempered(p, x), y)
+
+
+def tempered_problem(seed=0):
+    params, x, y = problem(seed)
+    return {**params, "temp": np.float64(1.3), "gain": 0.1 * np.arange(V) / V}, x, y
+
+
+def test_unread_leaves_get_the_squared_gradient_of_each_monte_carlo_pass(maybe_jit):
+    """``stats("*", ["kfac"])``: a leaf no layer reads gets ``Diagonal(sum_m (J^T s_m)^2)``, the
+    Monte-Carlo passes' squared gradients (hand-chained here: the same seeds, ``jax.vjp`` of
+    the logits), whose mean over keys is the brute-force GGN diagonal."""
+    from vjpkit.curvature import _losses
+
+    params, x, y = tempered_problem()
+    key = jax.random.key(4)
+    spec = vk.curvature.stats("*", ["kfac"], mc_samples=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, cap = maybe_jit(vk.grad(tempered_loss, capture=spec))(params, x, y, key=key)
+    assert cap["temp"].layout.kind == "leaf" and cap["gain"].layout.leaves == (
+        ("", (jax.tree_util.DictKey("gain"),)),
+    )
+    logits, pullback = jax.vjp(lambda p: tempered(p, x), params)
+    onehot = jax.nn.one_hot(y, V, dtype=logits.dtype)  # the registered target, as the loss marks it
+    seeds = _losses.sampled(_losses.Mark("softmax_cross_entropy", logits, onehot), key, 3)
+    for leaf in ("temp", "gain"):
+        want = sum(np.square(np.asarray(pullback(s)[0][leaf])) for s in seeds)
+        np.testing.assert_allclose(cap[leaf].kfac.diagonal, want, rtol=1e-9, atol=1e-15)
+    many = vk.curvature.stats("*", ["kfac"], mc_samples=4000)  # the expectation
+    _, cap = jax.jit(vk.grad(tempered_loss, capture=many))(params, x, y, key=key)
+    _, some = jax.jit(vk.grad(tempered_loss, capture=vk.curvature.stats("blocks/*", ["kfac"])))(
+        params, x, y, key=key
+    )
+    assert "gain" not in some and "temp" not in some  # the glob chooses leaves as it chooses layers
+    exact = ggn_diagonal(lambda v, x: tempered({**params, "gain": v}, x), params["gain"], x)
+    np.testing.assert_allclose(cap["gain"].kfac.diagonal, exact, rtol=0.1)
+
+
+def test_kfac_preconditions_unread_leaves_by_their_diagonal():
+    params, x, y = tempered_problem()
+    damping, lr = 1e-2, 0.1
+    step = jax.jit(vk.value_and_grad(tempered_loss, capture=vk.curvature.stats("*", ["kfac"])))
+    like = jax.eval_shape(lambda *a: step(*a, key=jax.random.key(0)), params, x, y)[1]
+    opt = vk.curvature.kfac(lr, like=like, damping=damping)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no leaf is left to SGD
+        state = opt.init(params)
+        (_, g), cap = step(params, x, y, key=jax.random.key(1))
+        u, _ = jax.jit(lambda g, s, c: opt.update(g, s, params, curvature=c))(g, state, cap)
+    for leaf in ("temp", "gain"):
+        want = -lr * np.asarray(g[leaf]) / (np.asarray(cap[leaf].kfac.diagonal) + damping)
+        np.testing.assert_allclose(u[leaf], want, rtol=1e-9, atol=1e-15)

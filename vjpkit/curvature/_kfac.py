@@ -25,6 +25,9 @@ inverts and applies them.
   ``Layout.scans`` with ``"s"``) is one block per slice: its factors, their EMA and inverses
   keep the iterations' leading axes, and each slice of the leaf is preconditioned by its own
   (``jax.vmap`` over the slices), exactly as the same model unrolled into separate weights.
+* Leaves no layer reads. ``stats`` with ``kfac`` gives each such leaf (a class token, a
+  temperature) an entry of ``Layout`` kind ``"leaf"`` holding its ``Diagonal``: one diagonal
+  block, as any other ``Diagonal`` call.
 * Fallback. Leaves no call of ``like`` covers, and calls without a leaf path (a weight computed
   in the loss or carried through a scan, a bias row the factors include but no bias leaf), get
   the plain gradient, ``-learning_rate * g`` (SGD), each warned about once (``UserWarning``).
@@ -370,8 +373,10 @@ def kfac(
       (``pi_damping`` does not apply).
 
     Several calls of one weight leaf (a shared weight) form one block whose ``A``'s are summed
-    and whose ``G``'s are summed. Leaves no layer covers get the plain gradient (see the module
-    docstring for the EMA, the refresh and the fallback rules).
+    and whose ``G``'s are summed. A leaf no layer reads is a diagonal block when ``like`` has its
+    ``"leaf"`` entry (``stats`` with ``kfac``); leaves nothing in ``like`` covers get the plain
+    gradient, with a warning (see the module docstring for the EMA, the refresh and the fallback
+    rules).
 
     Args:
         learning_rate: a float or an optax schedule of the update count.
@@ -470,7 +475,9 @@ def kfac(
             f"kfac: no layer of like covers the leaves {', '.join(rest[:8])}"
             f"{', ...' if len(rest) > 8 else ''}: they get the plain gradient (SGD direction). Include "
             "the layers that use them in vk.curvature.stats' globs (every layer kind has a block, "
-            "Kronecker or diagonal)."
+            "Kronecker or diagonal); a leaf no layer reads gets its diagonal block from "
+            "stats(glob matching it, ['kfac']) with estimator='kfac' (the Monte-Carlo passes' squared "
+            "gradients)."
         ]
 
     def init_fn(params: Any) -> KfacState:

@@ -43,7 +43,7 @@ from ._stats import (
     local_stats,
     shared_stats,
 )
-from ._types import LayerCurvature, Layout
+from ._types import Diagonal, LayerCurvature, Layout, stats_dtype
 
 
 def _split(capture: Any, name: str) -> tuple[tuple[StatsSpec, ...], tuple[CaptureSpec, ...]]:
@@ -135,11 +135,13 @@ def transform(
         zero = jnp.zeros_like(value)
         grads, captured, _ = pull([jnp.ones_like(value), jnp.zeros_like(output)])
 
-        def pulled(seeds):
+        def pulled(seeds, with_grads=False):
+            if with_grads:  # also the parameters' gradients of each seeded pass
+                return jax.vmap(lambda s: pull([zero, s])[:2])(seeds)
             return jax.vmap(lambda s: pull([zero, s])[1])(seeds)
 
         exact = pulled(_losses.sqrt_hessian(mark)) if any(s.exact for s in specs) else None
-        mc = None
+        mc = mc_grads = None
         sampled = [s for s in specs if s.sampled]
         if sampled:
             if key is None:
@@ -148,7 +150,11 @@ def transform(
                     "sample labels: pass an RNG key as key= to the transformed function "
                     "(f(params, x, y, key=jax.random.key(0)))."
                 )
-            mc = pulled(_losses.sampled(mark, key, max(s.mc_samples for s in sampled)))
+            seeds = _losses.sampled(mark, key, max(s.mc_samples for s in sampled))
+            if any("kfac" in s.which for s in sampled):  # for leaves no layer reads (_unread)
+                mc_grads, mc = pulled(seeds, with_grads=True)
+            else:
+                mc_grads, mc = None, pulled(seeds)
         n = output.shape[0]
         paths = _leaf_paths([args[i] for i in nums], nums)
         result_captured, chosen = {}, {}
@@ -168,6 +174,8 @@ def transform(
                 spec.max_factor_dim,
             )  # fmt: skip
         _share(traced, captured, result_captured, chosen, exact, mc, n)
+        if mc_grads is not None:
+            _unread(specs, paths, mc_grads, result_captured)
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
             result = ((value, aux), user_grads) if has_aux else (value, user_grads)
@@ -227,6 +235,36 @@ def _share(traced, captured, result, chosen, exact, mc, n) -> None:
                     for f in shared
                 },
             )
+
+
+def _unread(specs, paths, mc_grads, result) -> None:
+    """Adds a ``kfac`` entry for each differentiated leaf no computed call's layout names (no
+    layer reads it: a class token, a bare scale; or a layer reads a value computed from it),
+    when a spec asking for ``kfac`` matches the leaf's path: ``Diagonal(sum_m (J^T s_m)^2)``,
+    the squared parameter gradient of each Monte-Carlo pass. With ``E[sum_m s_m s_m^T] = H``
+    and the labels drawn independently per position, its expectation is the diagonal of the
+    Monte-Carlo Fisher (GGN) of the mean loss for that leaf, cross-example terms averaging to
+    zero; a layer's ``diag_ggn_mc`` estimates the same diagonal, per example. Keyed by the
+    leaf's path (``"#leaf"`` added if a layer has that name), ``Layout`` kind ``"leaf"``."""
+    covered = set()
+    for stats in result.values():
+        layout = getattr(stats, "layout", None)
+        if isinstance(layout, Layout):
+            named = [layout.weight_leaf, layout.bias_leaf, *(p for _, p in layout.leaves)]
+            covered.update((layout.argnum, p) for p in named if p is not None)
+    flat = [leaf for g in mc_grads for leaf in jax.tree.leaves(g)]
+    several = len({a for a, _ in paths}) > 1
+    for (argnum, keys), g in zip(paths, flat, strict=True):
+        if (argnum, keys) in covered or not jnp.issubdtype(g.dtype, jnp.inexact):
+            continue
+        name = jax.tree_util.keystr(keys, simple=True, separator="/") or "params"
+        name = f"{argnum}/{name}" if several else name
+        if not any("kfac" in s.which and matches_any(name, 0, s.layers) for s in specs):
+            continue
+        g = g.astype(stats_dtype(g.dtype))
+        layout = Layout("leaf", "", None, argnum=argnum, leaves=(("", keys),))
+        key = f"{name}#leaf" if name in result else name
+        result[key] = LayerCurvature(kfac=Diagonal(jnp.sum(jnp.square(g), axis=0)), layout=layout)
 
 
 def _examples_first(axis: int, x, d, ex, sm) -> tuple:

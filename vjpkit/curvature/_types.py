@@ -61,7 +61,8 @@ class Layout:
 
     Attributes:
         kind: ``"dense"`` or ``"conv"``; ``"local"`` for a layer with diagonal blocks only (its
-            leaves in ``leaves``).
+            leaves in ``leaves``); ``"leaf"`` for a differentiated leaf no layer reads (one
+            ``("", key path)`` in ``leaves``; its ``kfac`` is a ``Diagonal`` of that leaf alone).
         weight: the weight's path inside the layer's ``params`` (``"weight"``, ``"kernel"``, ...).
         bias: the bias's path inside ``params``, or ``None``.
         transpose: the weight leaf is stored ``(out, in)`` (Equinox); else ``(in..., out...)``.

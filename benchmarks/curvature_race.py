@@ -1,0 +1,263 @@
+"""Time to a target loss: K-FAC from vjpkit's records against tuned Adam and SGD (issue 32, item 6).
+
+Each problem trains one model from one initialisation on the same batches (seeds fixed), through
+``vk.train.make_step`` (one jitted step per optimizer setting), with each optimizer tuned on a
+grid: **Adam** over 5 learning rates, **SGD with momentum 0.9** over 5, **K-FAC**
+(``vk.curvature.kfac``, ``stats("*", ["kfac"])`` every step, momentum 0.9, inverses refreshed
+every ``--update-every`` steps) over 5 learning rates x 2 dampings. Problems, all on
+scikit-learn's digits (8x8 images; no MNIST offline here), batch 128:
+
+* ``mlp``: 64-512-512-10 with ReLUs, softmax cross-entropy (the 784-512-512-10 MLP of the
+  issue, on the digits' 64 inputs);
+* ``cnn``: ``examples/_digits.py``'s small CNN, softmax cross-entropy;
+* ``autoencoder``: the classic deep autoencoder shape (Martens & Grosse 2015), 64-1000-500-250-30
+  mirrored, sigmoid units and a linear code, sigmoid cross-entropy against the pixel
+  intensities scaled to [0, 1].
+
+The loss of a run is its batches' loss, a 10-step running mean. The **target** of a problem is
+the best-tuned Adam's final loss; each optimizer's best setting is the one reaching the target
+in the fewest steps, and its wall time to the target is measured (compilation excluded: each
+setting's step is compiled and run once before its timed run). The K-FAC rows also give the
+median time of a step that refreshes the inverses and of one that does not. The settings' runs
+are interleaved (shuffled, seeded) on one process; ``os.getloadavg()`` is reported at the start
+and the end. Not run here: EKFAC (not built), kfac-jax (its curvature update breaks on the jax
+versions installed with vjpkit), the plain-JAX transformer LM.
+
+Usage: ``python benchmarks/curvature_race.py [--quick] [--steps 300] [--problems mlp,cnn,autoencoder]
+[--out benchmarks/curvature_race.json] [--plot docs/img/curvature_race.png]``. Needs the
+``examples`` extra (scikit-learn; matplotlib for ``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+from _digits import cnn, load_data  # noqa: E402
+
+import vjpkit as vk  # noqa: E402
+from vjpkit import nn  # noqa: E402
+
+PROBLEMS = ("mlp", "cnn", "autoencoder")
+GRIDS = {
+    "Adam": [(lr,) for lr in (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)],
+    "SGD": [(lr,) for lr in (0.01, 0.03, 0.1, 0.3, 1.0)],
+    "K-FAC": [(lr, dmp) for lr in (0.01, 0.03, 0.1, 0.3, 1.0) for dmp in (1e-2, 1e-1)],
+}
+QUICK_GRIDS = {"Adam": [(1e-3,)], "SGD": [(0.1,)], "K-FAC": [(0.1, 1e-1)]}
+
+
+def problem(name: str, seed: int):
+    """``(loss_fn, params, x, y)`` of the problem: the loss registered for curvature."""
+    (x, y), _ = load_data(seed)
+    x = np.asarray(x, np.float32)
+    if name == "cnn":
+        model = cnn(fc=nn.dense(10))
+    elif name == "mlp":
+        model = nn.serial(
+            flat=nn.flatten(),
+            fc1=nn.dense(512),
+            r1=nn.relu(),
+            fc2=nn.dense(512),
+            r2=nn.relu(),
+            fc3=nn.dense(10),
+        )
+    else:
+        layers, widths = {"flat": nn.flatten()}, (1000, 500, 250, 30, 250, 500, 1000)
+        for i, w in enumerate(widths):
+            layers[f"fc{i + 1}"] = nn.dense(w)
+            if w != 30:  # a linear code layer
+                layers[f"s{i + 1}"] = nn.sigmoid()
+        layers["out"] = nn.dense(x[0].size)
+        model = nn.serial(**layers)
+        y = x.reshape(len(x), -1) / max(float(x.max()), 1.0)  # intensities in [0, 1]
+    params = model.init(jax.random.key(seed), jnp.asarray(x[:1]))
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        out = model.apply(p, xb)
+        if name == "autoencoder":
+            return vk.curvature.sigmoid_binary_cross_entropy(out, yb)
+        return vk.curvature.softmax_cross_entropy(out, yb)
+
+    return loss_fn, params, x, y
+
+
+def optimizer(kind: str, setting: tuple, loss_fn, params, batch, update_every: int):
+    """``(optax transformation, capture or None)`` of one setting."""
+    if kind == "Adam":
+        return optax.adam(setting[0]), None
+    if kind == "SGD":
+        return optax.sgd(setting[0], momentum=0.9), None
+    spec = vk.curvature.stats("*", ["kfac"])
+    grad_fn = vk.value_and_grad(loss_fn, capture=spec)
+    like = jax.eval_shape(lambda p, b: grad_fn(p, b, key=jax.random.key(0))[1], params, batch)
+    opt = vk.curvature.kfac(
+        setting[0], like=like, damping=setting[1], momentum=0.9, update_every=update_every
+    )
+    return opt, spec
+
+
+def run_one(loss_fn, opt, capture, params, data) -> dict:
+    step = vk.train.make_step(loss_fn, opt, capture=capture)
+    state = vk.train.TrainState.create(params, opt, seed=1)
+    jax.block_until_ready(step(state, data[0]))  # compile; not timed, not kept
+    state = vk.train.TrainState.create(params, opt, seed=1)
+    losses, ends = [], []
+    start = time.perf_counter()
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))  # waits for the step
+        ends.append(time.perf_counter() - start)
+    return {"loss": np.asarray(losses), "seconds": np.asarray(ends)}
+
+
+def smooth(loss: np.ndarray) -> np.ndarray:
+    """The 10-step running mean (over the steps so far, for the first nine)."""
+    c = np.cumsum(loss)
+    n = np.arange(1, len(loss) + 1)
+    return np.where(n < 10, c / n, (c - np.concatenate([np.zeros(10), c[:-10]])) / np.minimum(n, 10))
+
+
+def race(name: str, steps: int, grids: dict, update_every: int, seed: int, batch_size: int = 128) -> dict:
+    loss_fn, params, x, y = problem(name, seed)
+    rng = np.random.default_rng(seed)
+    data = [
+        (jnp.asarray(x[i]), jnp.asarray(y[i]))
+        for i in (rng.choice(len(x), batch_size, replace=False) for _ in range(steps))
+    ]
+    jobs = [(kind, s) for kind, grid in grids.items() for s in grid]
+    random.Random(seed).shuffle(jobs)  # the settings' runs interleaved
+    runs = {}
+    for kind, setting in jobs:
+        opt, capture = optimizer(kind, setting, loss_fn, params, data[0], update_every)
+        r = run_one(loss_fn, opt, capture, params, data)
+        r["smooth"] = smooth(r["loss"])
+        runs[(kind, setting)] = r
+    adam = [r for (k, _), r in runs.items() if k == "Adam"]
+    target = float(min(r["smooth"][-1] for r in adam if np.isfinite(r["smooth"][-1])))
+    rows = {}
+    for kind in grids:
+        best = None
+        for (k, setting), r in runs.items():
+            if k != kind:
+                continue
+            hit = np.nonzero(r["smooth"] <= target)[0]
+            reach = int(hit[0]) + 1 if len(hit) else None
+            final = float(r["smooth"][-1])
+            score = (reach is None, reach or 0, final if np.isfinite(final) else np.inf)
+            if best is None or score < best[0]:
+                best = (score, setting, reach, r)
+        _, setting, reach, r = best
+        step_s = np.diff(np.concatenate([[0.0], r["seconds"]]))
+        row = {
+            "setting": list(setting),
+            "steps_to_target": reach,
+            "seconds_to_target": None if reach is None else float(r["seconds"][reach - 1]),
+            "final_loss": float(r["smooth"][-1]),
+            "median_step_ms": 1e3 * float(np.median(step_s)),
+            "curve": r["smooth"].tolist(),
+        }
+        if kind == "K-FAC":  # the step that refreshes the inverses (count % update_every == 0)
+            refresh = np.arange(steps) % update_every == 0
+            row["refresh_step_ms"] = 1e3 * float(np.median(step_s[refresh]))
+            row["other_step_ms"] = 1e3 * float(np.median(step_s[~refresh])) if (~refresh).any() else None
+        rows[kind] = row
+    return {"problem": name, "target": target, "steps": steps, "rows": rows}
+
+
+def markdown(results: list[dict]) -> str:
+    lines = [
+        "| problem | target (Adam's best final loss) | optimizer | best setting | steps to target | "
+        "seconds to target | final loss | median step (ms) | K-FAC refresh / other step (ms) |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for res in results:
+        for kind, r in res["rows"].items():
+            setting = ", ".join(f"{v:g}" for v in r["setting"])
+            steps = "—" if r["steps_to_target"] is None else str(r["steps_to_target"])
+            secs = "—" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
+            split = (
+                f"{r['refresh_step_ms']:.1f} / {r['other_step_ms']:.1f}"
+                if kind == "K-FAC" and r.get("other_step_ms") is not None
+                else ""
+            )
+            lines.append(
+                f"| {res['problem']} | {res['target']:.4f} | {kind} | {setting} | {steps} | {secs} | "
+                f"{r['final_loss']:.4f} | {r['median_step_ms']:.2f} | {split} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        for kind, r in res["rows"].items():
+            ax.plot(np.arange(1, len(r["curve"]) + 1), r["curve"], label=kind, lw=1)
+        ax.axhline(res["target"], color="grey", lw=0.8, ls="--")
+        ax.set_yscale("log")
+        ax.set_title(res["problem"])
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (10-step mean)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one setting each, 20 steps (a smoke run)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--problems", default=",".join(PROBLEMS))
+    parser.add_argument("--update-every", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(HERE / "curvature_race.json"))
+    parser.add_argument("--plot", default=None, help="save the best runs' loss curves to this image")
+    args = parser.parse_args(argv)
+    steps, grids = (20, QUICK_GRIDS) if args.quick else (args.steps, GRIDS)
+    load = os.getloadavg()[0]
+    start = time.time()
+    results = [race(p, steps, grids, args.update_every, args.seed) for p in args.problems.split(",")]
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "jax": jax.__version__,
+        "load_average_at_start": load,
+        "load_average_at_end": os.getloadavg()[0],
+        "wall_s": time.time() - start,
+        "update_every": args.update_every,
+        "grids": {k: [list(s) for s in v] for k, v in grids.items()},
+    }
+    print(
+        f"{meta['date']} | jax {meta['jax']} | load {load:.2f} at the start, "
+        f"{meta['load_average_at_end']:.2f} at the end | {meta['wall_s']:.0f} s | "
+        f"inverses refreshed every {args.update_every} steps"
+    )
+    print(markdown(results))
+    out = {"meta": meta, "results": results}
+    pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+        print(f"saved {args.plot}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
