@@ -24,7 +24,7 @@ and the end. Not run here: EKFAC (not built), kfac-jax (its curvature update bre
 versions installed with vjpkit), the plain-JAX transformer LM.
 
 Usage: ``python benchmarks/curvature_race.py [--quick] [--steps 300] [--problems mlp,cnn,autoencoder]
-[--out benchmarks/curvature_race.json] [--plot docs/img/curvature_race.png]``. Needs the
+[--out benchmarks/curvature_race.json] [--plot benchmarks/curvature_race.png]``. Needs the
 ``examples`` extra (scikit-learn; matplotlib for ``--plot``).
 """
 
