@@ -351,7 +351,7 @@ def test_curvature_race_runs_and_writes_its_table(tmp_path):
     res = json.loads(out.read_text())
     assert [r["problem"] for r in res["results"]] == ["mlp", "cnn", "autoencoder"]
     for r in res["results"]:
-        assert set(r["rows"]) == {"Adam", "SGD", "K-FAC"}
+        assert set(r["rows"]) == {"Adam", "SGD", "K-FAC", "K-FAC, statistics every 10"}
         assert r["target"] == pytest.approx(r["rows"]["Adam"]["final_loss"])
         for row in r["rows"].values():
             assert len(row["curve"]) == r["steps"]

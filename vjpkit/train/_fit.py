@@ -101,6 +101,7 @@ def fit(
     epochs: int | None = None,
     hooks: dict | None = None,
     capture: Any = None,
+    curvature_every: int = 1,
     scan_steps: int = 1,
     eval_fn: Callable | None = None,
     eval_every: int | None = None,
@@ -132,6 +133,8 @@ def fit(
         steps: number of steps; or ``epochs`` for array data. An iterable runs until it ends.
         hooks: layer hooks (see ``vk.grad``); stateful ones are threaded in ``state.hook_state``.
         capture: capture spec(s) (see ``vk.capture``); each step's records go to ``on_records``.
+        curvature_every: ``vk.curvature.stats`` on every ``curvature_every``-th step only, as in
+            ``make_step`` (the other steps' records are NaN).
         scan_steps: steps per dispatch; more than 1 runs them in one ``lax.scan``.
         eval_fn: ``eval_fn(params) -> dict of numbers``, called every ``eval_every`` steps.
         eval_every: steps between evaluations (and at the end).
@@ -231,8 +234,9 @@ def fit(
     hook_state = init_hook_state(loss_fn, hooks, capture, params, first)
     state = TrainState.create(params, optimizer, hook_state=hook_state, seed=seed)
     step_fn = build_step(
-        loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy, report_finite=True
-    )
+        loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy, report_finite=True,
+        curvature_every=curvature_every,
+    )  # fmt: skip
     jax.eval_shape(step_fn, state, first)  # every trace-time check, before any compile
     if mesh is not None:  # the state stays replicated: every process can read it, one program
         step_fn = _keep_replicated(step_fn, _replicated(mesh))

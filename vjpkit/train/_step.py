@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from .. import _autodiff, _capture, _host
 from .._errors import ConfigError
@@ -60,6 +61,19 @@ def _is_kfac(x: Any) -> bool:
     return isinstance(x, KfacState)
 
 
+def _check_curvature_every(every: Any, capture: Any, curvature: list) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"make_step: curvature_every must be an int >= 1, got {every!r}.")
+    if every == 1:
+        return
+    if not curvature or len(curvature) != len(_capture.items(capture)):
+        raise ConfigError(
+            f"make_step: curvature_every={every} skips the statistics of vk.curvature.stats on the "
+            "other steps, so capture= must hold vk.curvature.stats specs only (got "
+            f"{capture!r}); capture other records in a separate step, or leave curvature_every=1."
+        )
+
+
 def _select(ok: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
@@ -71,6 +85,7 @@ def make_step(
     hooks: dict | None = None,
     capture: Any = None,
     nan_policy: str = "stop",
+    curvature_every: int = 1,
     jit: bool = True,
 ) -> Callable:
     """A training step ``step(state, batch) -> (state, metrics)``.
@@ -87,6 +102,10 @@ def make_step(
             one, leaves the state unchanged, step count and rng included, and sends nothing to the host
             (``state.nonfinite_step`` records it); ``"continue"``: it is recorded
             and training goes on; ``"off"``: nothing is checked.
+        curvature_every: with ``capture=`` holding only ``vk.curvature.stats`` specs, compute the
+            statistics on the steps ``t`` with ``t % curvature_every == 0`` only (``lax.cond``);
+            the other steps take a plain gradient and ``optimizer.update(..., curvature=None)``
+            (K-FAC keeps its EMA and cached inverses), and their ``metrics["captured"]`` is NaN.
         jit: return the ``jax.jit``-compiled step (state donated); ``False`` gives the traceable
             function, for ``lax.scan`` or a custom jit.
 
@@ -94,7 +113,8 @@ def make_step(
         >>> step = vk.train.make_step(loss_fn, optax.sgd(0.1))
         >>> state, metrics = step(vk.train.TrainState.create(params, optax.sgd(0.1)), (x, y))
     """
-    step = build_step(loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy)
+    options = dict(hooks=hooks, capture=capture, nan_policy=nan_policy, curvature_every=curvature_every)
+    step = build_step(loss_fn, optimizer, **options)
     return jax.jit(step, donate_argnums=0) if jit else step
 
 
@@ -106,6 +126,7 @@ def build_step(
     capture: Any = None,
     nan_policy: str = "stop",
     report_finite: bool = False,
+    curvature_every: int = 1,
 ) -> Callable:
     """``make_step``'s traceable step; ``report_finite`` adds ``metrics["finite"]`` (this step's
     loss and gradients were finite), which ``fit`` reads to record every non-finite step."""
@@ -122,6 +143,8 @@ def build_step(
     extra_args = isinstance(optimizer, optax.GradientTransformationExtraArgs)
     value_and_grad = _autodiff.value_and_grad(loss_fn, hooks=hooks, capture=capture)
     captures = capture is not None
+    _check_curvature_every(curvature_every, capture, curvature)
+    plain = _autodiff.value_and_grad(loss_fn, hooks=hooks) if curvature_every > 1 else None
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         if not curvature and any(_is_kfac(s) for s in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac)):
@@ -131,31 +154,59 @@ def build_step(
                 "every step would be momentum SGD. Pass capture=vk.curvature.stats(layers, "
                 "['kfac']) (the spec like= was built from), or use another optimizer."
             )
+        if plain is not None and not any(
+            _is_kfac(s) for s in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac)
+        ):
+            raise ConfigError(
+                f"make_step: curvature_every={curvature_every}, but the optimizer holds no "
+                "vk.curvature.kfac to take the statistics (update(..., curvature=)): use it (alone "
+                "or in an optax chain), or leave curvature_every=1."
+            )
         rng, key = jax.random.split(state.rng)
         kwargs = {"key": key} if wants_key else {}
         loss_kwargs = kwargs if _wants_key(loss_fn) else {}
+
         # under "stop", the steps after a non-finite one change nothing and send nothing to the host
-        live = _host.gate(state.nonfinite_step < 0) if nan_policy == "stop" else contextlib.nullcontext()
-        with live:
-            if state.hook_state:
-                out = value_and_grad(state.params, batch, hook_state=state.hook_state, **kwargs)
-                hook_state = out[-1]
-            else:
-                out = value_and_grad(state.params, batch, **kwargs)
-                hook_state = state.hook_state
-        if captures:
-            (loss, grads), captured = out[0], out[1]
-        else:
-            (loss, grads), captured = (out[0] if state.hook_state else out), None
-        if extra_args:
-            # the plain loss: hooks change gradients only
-            value_fn = lambda p: loss_fn(p, batch, **loss_kwargs)
+        def live():  # a new context each time with_stats is traced (lax.cond traces it again)
+            return _host.gate(state.nonfinite_step < 0) if nan_policy == "stop" else contextlib.nullcontext()
+
+        # the plain loss: hooks change gradients only
+        value_fn = lambda p: loss_fn(p, batch, **loss_kwargs)
+
+        def update(loss, grads, captured):
+            if not extra_args:
+                return optimizer.update(grads, state.opt_state, state.params)
             more = {"curvature": captured} if curvature else {}
-            updates, opt_state = optimizer.update(
+            return optimizer.update(
                 grads, state.opt_state, state.params, value=loss, grad=grads, value_fn=value_fn, **more
             )
-        else:
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+
+        def with_stats(_=None):
+            with live():
+                if state.hook_state:
+                    out = value_and_grad(state.params, batch, hook_state=state.hook_state, **kwargs)
+                    hook_state = out[-1]
+                else:
+                    out = value_and_grad(state.params, batch, **kwargs)
+                    hook_state = state.hook_state
+            if captures:
+                (loss, grads), captured = out[0], out[1]
+            else:
+                (loss, grads), captured = (out[0] if state.hook_state else out), None
+            return loss, grads, captured, hook_state, update(loss, grads, captured)
+
+        if plain is None:
+            loss, grads, captured, hook_state, (updates, opt_state) = with_stats()
+        else:  # the statistics on every curvature_every-th step only
+
+            def without(_):
+                loss, grads = plain(state.params, batch, **loss_kwargs)
+                shapes = jax.eval_shape(with_stats)[2]
+                captured = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan, a.dtype), shapes)
+                return loss, grads, captured, state.hook_state, update(loss, grads, None)
+
+            due = state.step % curvature_every == 0
+            loss, grads, captured, hook_state, (updates, opt_state) = lax.cond(due, with_stats, without, None)
         new = TrainState(
             keep_types(optax.apply_updates(state.params, updates), state.params),
             keep_types(opt_state, state.opt_state),
