@@ -392,3 +392,25 @@ def test_kfac_preconditions_unread_leaves_by_their_diagonal():
     for leaf in ("temp", "gain"):
         want = -lr * np.asarray(g[leaf]) / (np.asarray(cap[leaf].kfac.diagonal) + damping)
         np.testing.assert_allclose(u[leaf], want, rtol=1e-9, atol=1e-15)
+
+
+def test_unread_leaf_entries_with_several_arguments_and_other_estimators():
+    """Leaf entries are the first differentiated argument's (the params) only, so K-FAC still
+    builds with ``argnums=(0, 1)``; with ``estimator="kflr"`` a leaf entry (``kfac`` only) is
+    uncovered: the plain gradient, with the warning naming it, not an error."""
+    params, x, y = tempered_problem()
+    xf = jnp.float64(0.9)  # a float second argument
+
+    def loss2(p, s, y):
+        return vk.curvature.softmax_cross_entropy(tempered(p, x) * jnp.exp(s), y)  # no layer reads s
+
+    g = vk.value_and_grad(loss2, argnums=(0, 1), capture=vk.curvature.stats("*", ["kfac", "kflr"]))
+    like = jax.eval_shape(lambda *a: g(*a, key=jax.random.key(0)), params, xf, y)[1]
+    assert {k for k, v in like.items() if v.layout.kind == "leaf"} == {"arg0/temp", "arg0/gain"}
+    vk.curvature.kfac(0.1, like=like).init(params)
+    with pytest.warns(UserWarning, match="no layer of like covers the leaves .*temp"):
+        opt = vk.curvature.kfac(0.1, like=like, estimator="kflr")
+        state = opt.init(params)
+        (_, (grads, _)), cap = g(params, xf, y, key=jax.random.key(1))
+        u, _ = opt.update(grads, state, params, curvature=cap)
+    np.testing.assert_allclose(u["temp"], -0.1 * grads["temp"], rtol=1e-12)

@@ -220,6 +220,9 @@ def _plan(like: Mapping[str, LayerCurvature], estimator: str) -> _Plan:
     """The static plan from ``like``: its calls, grouped into blocks by the leaves they read."""
     calls, warned = [], []
     for name, rec in like.items():
+        layout = getattr(rec, "layout", None)
+        if getattr(layout, "kind", None) == "leaf" and getattr(rec, estimator, None) is None:
+            continue  # a leaf no layer reads has a kfac entry only: uncovered (warned) otherwise
         f, layout = _stat_of(rec, name, estimator, "like"), rec.layout
         if isinstance(f, Factors):
             leaves = (layout.weight_leaf,) + ((layout.bias_leaf,) if layout.bias is not None else ())

@@ -244,8 +244,10 @@ def _unread(specs, paths, mc_grads, result) -> None:
     the squared parameter gradient of each Monte-Carlo pass. With ``E[sum_m s_m s_m^T] = H``
     and the labels drawn independently per position, its expectation is the diagonal of the
     Monte-Carlo Fisher (GGN) of the mean loss for that leaf, cross-example terms averaging to
-    zero; a layer's ``diag_ggn_mc`` estimates the same diagonal, per example. Keyed by the
-    leaf's path (``"#leaf"`` added if a layer has that name), ``Layout`` kind ``"leaf"``."""
+    zero; a layer's ``diag_ggn_mc`` estimates the same diagonal, per example. Only leaves of
+    the first differentiated argument (the params; ``kfac`` reads one tree), real floating
+    leaves only. Keyed by the leaf's path (``"#leaf"`` added if a layer has that name),
+    ``Layout`` kind ``"leaf"``."""
     covered = set()
     for stats in result.values():
         layout = getattr(stats, "layout", None)
@@ -253,12 +255,13 @@ def _unread(specs, paths, mc_grads, result) -> None:
             named = [layout.weight_leaf, layout.bias_leaf, *(p for _, p in layout.leaves)]
             covered.update((layout.argnum, p) for p in named if p is not None)
     flat = [leaf for g in mc_grads for leaf in jax.tree.leaves(g)]
-    several = len({a for a, _ in paths}) > 1
+    first = paths[0][0] if paths else None
+    several = len({a for a, _ in paths}) > 1  # named as the layers are: "arg0/..."
     for (argnum, keys), g in zip(paths, flat, strict=True):
-        if (argnum, keys) in covered or not jnp.issubdtype(g.dtype, jnp.inexact):
-            continue
-        name = jax.tree_util.keystr(keys, simple=True, separator="/") or "params"
-        name = f"{argnum}/{name}" if several else name
+        if argnum != first or (argnum, keys) in covered or not jnp.issubdtype(g.dtype, jnp.floating):
+            continue  # the params are the first differentiated argument (kfac reads one tree)
+        inner = jax.tree_util.keystr(keys, simple=True, separator="/")
+        name = f"arg{argnum}/{inner}" if several and inner else inner or f"arg{argnum}"
         if not any("kfac" in s.which and matches_any(name, 0, s.layers) for s in specs):
             continue
         g = g.astype(stats_dtype(g.dtype))

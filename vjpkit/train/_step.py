@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -62,7 +63,7 @@ def _is_kfac(x: Any) -> bool:
 
 
 def _check_curvature_every(every: Any, capture: Any, curvature: list) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, (int, np.integer)) or every < 1:
         raise ConfigError(f"make_step: curvature_every must be an int >= 1, got {every!r}.")
     if every == 1:
         return
@@ -103,9 +104,14 @@ def make_step(
             (``state.nonfinite_step`` records it); ``"continue"``: it is recorded
             and training goes on; ``"off"``: nothing is checked.
         curvature_every: with ``capture=`` holding only ``vk.curvature.stats`` specs, compute the
-            statistics on the steps ``t`` with ``t % curvature_every == 0`` only (``lax.cond``);
-            the other steps take a plain gradient and ``optimizer.update(..., curvature=None)``
-            (K-FAC keeps its EMA and cached inverses), and their ``metrics["captured"]`` is NaN.
+            statistics only on the steps where K-FAC's update count is a multiple of
+            ``curvature_every`` (``lax.cond``; its first update always has them); the other steps
+            take a plain gradient and ``optimizer.update(..., curvature=None)`` (K-FAC keeps its
+            EMA and cached inverses), and their ``metrics["captured"]`` is NaN. K-FAC refreshes
+            its inverses on a step with statistics whose count is a multiple of its
+            ``update_every``: make ``update_every`` a multiple of ``curvature_every`` (else the
+            refresh comes every least common multiple of the two). Its ``decay`` applies per
+            statistics step.
         jit: return the ``jax.jit``-compiled step (state donated); ``False`` gives the traceable
             function, for ``lax.scan`` or a custom jit.
 
@@ -205,7 +211,10 @@ def build_step(
                 captured = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan, a.dtype), shapes)
                 return loss, grads, captured, state.hook_state, update(loss, grads, None)
 
-            due = state.step % curvature_every == 0
+            # K-FAC's own update count (an optax.MultiSteps or a re-initialised optimizer state
+            # counts differently from state.step): its first update always has statistics
+            count = next(x.count for x in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac) if _is_kfac(x))
+            due = count % curvature_every == 0
             loss, grads, captured, hook_state, (updates, opt_state) = lax.cond(due, with_stats, without, None)
         new = TrainState(
             keep_types(optax.apply_updates(state.params, updates), state.params),
