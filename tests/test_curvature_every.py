@@ -79,6 +79,7 @@ def test_curvature_every_needs_statistics_only_and_a_taker():
         jax.eval_shape(step, vk.train.TrainState.create(params, optax.sgd(0.1)), batch)
 
 
+@pytest.mark.slow
 def test_fit_takes_curvature_every():
     loss_fn, params, batch = _problem()
     spec = vk.curvature.stats("*", ["kfac"])

@@ -54,6 +54,7 @@ def test_scanned_leaves_are_reduced_in_the_backward_pass():
     np.testing.assert_allclose(np.sqrt(sum(np.asarray(s, np.float64) for s in sq_in)), total, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_norms_match_vmap_grad_without_the_check():  # with it: test_per_example_scan's transformer
     check = False
     params = tf_init(jax.random.key(2))
