@@ -153,16 +153,15 @@ def build_step(
     plain = _autodiff.value_and_grad(loss_fn, hooks=hooks) if curvature_every > 1 else None
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        if not curvature and any(_is_kfac(s) for s in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac)):
+        kfacs = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac) if _is_kfac(x)]
+        if not curvature and kfacs:
             raise ConfigError(
                 "make_step: the optimizer holds vk.curvature.kfac, which preconditions with the "
                 "statistics a vk.curvature.stats capture gives each step, but capture= has none: "
                 "every step would be momentum SGD. Pass capture=vk.curvature.stats(layers, "
                 "['kfac']) (the spec like= was built from), or use another optimizer."
             )
-        if plain is not None and not any(
-            _is_kfac(s) for s in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac)
-        ):
+        if plain is not None and not kfacs:
             raise ConfigError(
                 f"make_step: curvature_every={curvature_every}, but the optimizer holds no "
                 "vk.curvature.kfac to take the statistics (update(..., curvature=)): use it (alone "
@@ -213,8 +212,7 @@ def build_step(
 
             # K-FAC's own update count (an optax.MultiSteps or a re-initialised optimizer state
             # counts differently from state.step): its first update always has statistics
-            count = next(x.count for x in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac) if _is_kfac(x))
-            due = count % curvature_every == 0
+            due = kfacs[0].count % curvature_every == 0
             loss, grads, captured, hook_state, (updates, opt_state) = lax.cond(due, with_stats, without, None)
         new = TrainState(
             keep_types(optax.apply_updates(state.params, updates), state.params),
