@@ -74,7 +74,9 @@ def _by_key(records) -> dict[str, vk.Cotangents]:
 
 def _check_record(rec, *, params, inp, output, grad_output, grad_input, grad_params, rtol=RTOL, atol=ATOL):
     tree_allclose(rec.params, params, rtol=0, atol=0)
-    tree_allclose(rec.input, inp, rtol=0, atol=0)
+    # a computed input (a layer after another) is the compiled program's value: equal to the
+    # eagerly chained reference up to rounding (fused or not, FMA or not), not bit for bit
+    tree_allclose(rec.input, inp, rtol=1e-6, atol=1e-7)
     tree_allclose(rec.output, output, rtol=rtol, atol=atol)
     tree_allclose(rec.grad_output, grad_output, rtol=rtol, atol=atol)
     if grad_input is None:

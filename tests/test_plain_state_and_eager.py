@@ -128,7 +128,7 @@ def test_ema_normalize_on_a_plain_model_over_steps_matches_the_hand_chain(maybe_
             check_state(state[k], ref[k])
         tree_allclose(grads, ref_grads, rtol=1e-4, atol=1e-5)
         tree_allclose(grads, twin_grads, rtol=1e-5, atol=1e-6)
-        tree_allclose(dict(state), dict(twin_state), rtol=1e-5, atol=1e-9)
+        tree_allclose(dict(state), dict(twin_state), rtol=1e-5, atol=1e-7)  # a mean that cancels to ~0
         ref_params = sgd(ref_params, ref_grads)
     assert float(state["fc1"].count) == len(batches)
 
