@@ -4,9 +4,11 @@ Each problem trains one model from one initialisation on the same batches (seeds
 ``vk.train.make_step`` (one jitted step per optimizer setting), with each optimizer tuned on a
 grid: **Adam** over 7 learning rates (1e-4 ... 1e-1), **SGD with momentum 0.9** over 6 (3e-3 ...
 1), **K-FAC** (``vk.curvature.kfac``, ``stats("*", ["kfac"])`` every step, momentum 0.9, inverses
-refreshed every ``--update-every`` steps) over 6 learning rates (3e-3 ... 1) x 2 dampings, and
+refreshed every ``--update-every`` steps) over 6 learning rates (3e-3 ... 1) x 2 dampings,
 the same K-FAC with its statistics on every 10th step only (``make_step(...,
-curvature_every=10)``). Problems, all on
+curvature_every=10)``), and **EKFAC** (``stats("*", ["ekfac"])``, ``estimator="ekfac"``: the
+scaling corrected every step, the eigenbasis refreshed every ``--update-every`` steps) on
+K-FAC's grid. Problems, all on
 scikit-learn's digits (8x8 images; no MNIST offline here), batch 128:
 
 * ``mlp``: 64-512-512-10 with ReLUs, softmax cross-entropy (the 784-512-512-10 MLP of the
@@ -19,14 +21,15 @@ scikit-learn's digits (8x8 images; no MNIST offline here), batch 128:
 The loss of a run is its batches' loss, a 10-step running mean. The **target** of a problem is
 the best-tuned Adam's final loss; each optimizer's best setting is the one reaching the target
 in the fewest steps, and its wall time to the target is measured (compilation excluded: each
-setting's step is compiled and run once before its timed run). The K-FAC rows also give the
+setting's step is compiled and run once before its timed run). The K-FAC and EKFAC rows also give the
 median time of a step that refreshes the inverses and of one that does not. The settings' runs
 are interleaved (shuffled, seeded) on one process; ``os.getloadavg()`` is reported at the start
-and the end. Not run here: EKFAC (not built), kfac-jax (its curvature update breaks on the jax
-versions installed with vjpkit), the plain-JAX transformer LM.
+and the end. Not run here: kfac-jax (its curvature update breaks on the jax versions installed
+with vjpkit), the plain-JAX transformer LM.
 
 Usage: ``python benchmarks/curvature_race.py [--quick] [--steps 300] [--problems mlp,cnn,autoencoder]
-[--out benchmarks/curvature_race.json] [--plot benchmarks/curvature_race.png]``. Needs the
+[--optimizers adam,sgd,kfac,kfac-every,ekfac] [--out benchmarks/curvature_race.json]
+[--plot benchmarks/curvature_race.png]``. Needs the
 ``examples`` extra (scikit-learn; matplotlib for ``--plot``).
 """
 
@@ -61,8 +64,14 @@ GRIDS = {
     "SGD": [(lr,) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)],
     "K-FAC": [(lr, dmp) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0) for dmp in (1e-2, 1e-1)],
     KFAC_EVERY: [(lr, dmp) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0) for dmp in (1e-2, 1e-1)],
+    "EKFAC": [(lr, dmp) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0) for dmp in (1e-2, 1e-1)],
 }
-QUICK_GRIDS = {"Adam": [(1e-3,)], "SGD": [(0.1,)], "K-FAC": [(0.1, 1e-1)], KFAC_EVERY: [(0.1, 1e-1)]}
+QUICK_GRIDS = {
+    "Adam": [(1e-3,)], "SGD": [(0.1,)], "K-FAC": [(0.1, 1e-1)], KFAC_EVERY: [(0.1, 1e-1)],
+    "EKFAC": [(0.1, 1e-1)],
+}  # fmt: skip
+CURVATURE = ("K-FAC", KFAC_EVERY, "EKFAC")
+NAMES = {"adam": "Adam", "sgd": "SGD", "kfac": "K-FAC", "kfac-every": KFAC_EVERY, "ekfac": "EKFAC"}
 
 
 def problem(name: str, seed: int):
@@ -107,12 +116,14 @@ def optimizer(kind: str, setting: tuple, loss_fn, params, batch, update_every: i
         return optax.adam(setting[0]), None
     if kind == "SGD":
         return optax.sgd(setting[0], momentum=0.9), None
-    spec = vk.curvature.stats("*", ["kfac"])
+    estimator = "ekfac" if kind == "EKFAC" else "kfac"
+    spec = vk.curvature.stats("*", [estimator])
     grad_fn = vk.value_and_grad(loss_fn, capture=spec)
     like = jax.eval_shape(lambda p, b: grad_fn(p, b, key=jax.random.key(0))[1], params, batch)
     opt = vk.curvature.kfac(
-        setting[0], like=like, damping=setting[1], momentum=0.9, update_every=update_every
-    )
+        setting[0], like=like, estimator=estimator, damping=setting[1], momentum=0.9,
+        update_every=update_every,
+    )  # fmt: skip
     return opt, spec
 
 
@@ -176,7 +187,7 @@ def race(name: str, steps: int, grids: dict, update_every: int, seed: int, batch
             "median_step_ms": 1e3 * float(np.median(step_s)),
             "curve": r["smooth"].tolist(),
         }
-        if kind.startswith("K-FAC"):  # the step that refreshes the inverses (count % update_every == 0)
+        if kind in CURVATURE:  # the step that refreshes the inverses (count % update_every == 0)
             period = math.lcm(update_every, 10) if kind == KFAC_EVERY else update_every
             refresh = np.arange(steps) % period == 0
             row["refresh_step_ms"] = 1e3 * float(np.median(step_s[refresh]))
@@ -188,7 +199,7 @@ def race(name: str, steps: int, grids: dict, update_every: int, seed: int, batch
 def markdown(results: list[dict]) -> str:
     lines = [
         "| problem | target (Adam's best final loss) | optimizer | best setting | steps to target | "
-        "seconds to target | final loss | median step (ms) | K-FAC refresh / other step (ms) |",
+        "seconds to target | final loss | median step (ms) | refresh / other step (ms) |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for res in results:
@@ -198,7 +209,7 @@ def markdown(results: list[dict]) -> str:
             secs = "—" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
             split = (
                 f"{r['refresh_step_ms']:.1f} / {r['other_step_ms']:.1f}"
-                if kind.startswith("K-FAC") and r.get("other_step_ms") is not None
+                if kind in CURVATURE and r.get("other_step_ms") is not None
                 else ""
             )
             lines.append(
@@ -237,8 +248,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(HERE / "curvature_race.json"))
     parser.add_argument("--plot", default=None, help="save the best runs' loss curves to this image")
+    parser.add_argument(
+        "--optimizers",
+        default=",".join(NAMES),
+        help=f"of {list(NAMES)}, comma-separated (Adam always: the target)",
+    )
     args = parser.parse_args(argv)
     steps, grids = (20, QUICK_GRIDS) if args.quick else (args.steps, GRIDS)
+    asked = set(args.optimizers.split(","))
+    if asked - set(NAMES):
+        parser.error(f"unknown optimizers {sorted(asked - set(NAMES))}; choose from {list(NAMES)}")
+    grids = {k: v for k, v in grids.items() if k == "Adam" or k in {NAMES[a] for a in asked}}
     load = os.getloadavg()[0]
     start = time.time()
     results = [race(p, steps, grids, args.update_every, args.seed) for p in args.problems.split(",")]

@@ -351,11 +351,11 @@ def test_curvature_race_runs_and_writes_its_table(tmp_path):
     res = json.loads(out.read_text())
     assert [r["problem"] for r in res["results"]] == ["mlp", "cnn", "autoencoder"]
     for r in res["results"]:
-        assert set(r["rows"]) == {"Adam", "SGD", "K-FAC", "K-FAC, statistics every 10"}
+        assert set(r["rows"]) == {"Adam", "SGD", "K-FAC", "K-FAC, statistics every 10", "EKFAC"}
         assert r["target"] == pytest.approx(r["rows"]["Adam"]["final_loss"])
         for row in r["rows"].values():
             assert len(row["curve"]) == r["steps"]
             if row["steps_to_target"] is not None:
                 assert row["curve"][row["steps_to_target"] - 1] <= r["target"]
-        assert r["rows"]["K-FAC"]["refresh_step_ms"] > 0
+        assert r["rows"]["K-FAC"]["refresh_step_ms"] > 0 and r["rows"]["EKFAC"]["refresh_step_ms"] > 0
     assert "| mlp |" in proc.stdout

@@ -10,7 +10,11 @@ Examples:
 from .. import _autodiff
 from ._blocks import Block as Block
 from ._blocks import BlockState as BlockState
+from ._blocks import EkfacBasis as EkfacBasis
+from ._blocks import EkfacStats as EkfacStats
 from ._blocks import diagonal as diagonal_block
+from ._blocks import ekfac as ekfac_block
+from ._blocks import ekfac_scaling as ekfac_scaling
 from ._blocks import kronecker as kronecker_block
 from ._kfac import KfacState as KfacState
 from ._kfac import kfac as kfac
@@ -22,6 +26,7 @@ from ._stats import StatsSpec as StatsSpec
 from ._stats import stats as stats
 from ._transform import transform as _transform
 from ._types import Diagonal as Diagonal
+from ._types import Ekfac as Ekfac
 from ._types import Factors as Factors
 from ._types import LayerCurvature as LayerCurvature
 from ._types import Layout as Layout
@@ -33,12 +38,17 @@ __all__ = [
     "Block",
     "BlockState",
     "Diagonal",
+    "Ekfac",
+    "EkfacBasis",
+    "EkfacStats",
     "Factors",
     "KfacState",
     "LayerCurvature",
     "Layout",
     "StatsSpec",
     "diagonal_block",
+    "ekfac_block",
+    "ekfac_scaling",
     "kfac",
     "kronecker_block",
     "mse",

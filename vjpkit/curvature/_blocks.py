@@ -17,10 +17,12 @@ leaves and only routes statistics and gradients to them.
 * ``sync(stats, axis_name) -> stats``: one step's statistics averaged over a mapped axis.
 
 Blocks: ``kronecker`` (``Factors(A, G)`` of the matrix ``[W; b]``, each side dense or, past
-``max_factor_dim``, diagonal) and ``diagonal`` (one diagonal per leaf). Statistics and caches
-have the leading axes ``lead`` of a stacked leaf (one block per ``lax.scan`` iteration,
-computed with ``jax.vmap``). Computations run in the block's ``dtype``; gradients keep theirs.
-This module imports only ``vjpkit.curvature._types`` of vjpkit.
+``max_factor_dim``, diagonal), ``ekfac`` (the same factors' eigenbasis with its scaling
+corrected by each example's gradient, ``Ekfac``) and ``diagonal`` (one diagonal per leaf).
+Statistics and caches have the leading axes ``lead`` of a stacked leaf (one block per
+``lax.scan`` iteration, computed with ``jax.vmap``). Computations run in the block's
+``dtype``; gradients keep theirs.
+This module imports only ``vjpkit.stats`` and ``vjpkit.curvature._types`` of vjpkit.
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._types import Factors, Layout
+from .. import stats as statslayer
+from ._types import Ekfac, Factors, Layout
 
-__all__ = ["Block", "BlockState", "Eigen", "diagonal", "kronecker", "per_slice", "side_diagonal"]
+__all__ = [
+    "Block", "BlockState", "Eigen", "EkfacBasis", "EkfacStats", "diagonal", "ekfac", "ekfac_scaling",
+    "kronecker", "per_slice", "side_diagonal",
+]  # fmt: skip
 
 
 class BlockState(NamedTuple):
@@ -97,6 +103,21 @@ def _zeros(shape: tuple, dtype: Any) -> jax.Array:
 def side_diagonal(x: jax.Array, diag: bool) -> jax.Array:
     """A factor side's diagonal (its trace terms) whether it is stored dense or as a vector."""
     return x if diag else jnp.diagonal(x, axis1=-2, axis2=-1)
+
+
+def _on_matrix(layout: Layout, dtype: Any, apply: Callable) -> Callable:
+    """``one(cache, w[, b])``: ``apply(cache, M)`` on the block's matrix ``M = [W; b]``, laid out
+    as the weight (and bias) leaves again, each in its own dtype."""
+
+    def one(cache, w, *b):
+        m = layout.to_matrix(w).astype(dtype)
+        if b:
+            m = jnp.concatenate([m, b[0].reshape(1, -1).astype(dtype)], axis=0)
+        p = apply(cache, m)
+        pw = layout.from_matrix(p[:-1] if b else p, w.shape).astype(w.dtype)
+        return (pw, p[-1].reshape(b[0].shape).astype(b[0].dtype)) if b else (pw,)
+
+    return one
 
 
 def kronecker(
@@ -186,15 +207,7 @@ def kronecker(
         return BlockState(state.stats, cache)
 
     def precondition(state: BlockState, grads: tuple) -> tuple:
-        def one(cache, w, *b):
-            m = layout.to_matrix(w).astype(dtype)
-            if b:
-                m = jnp.concatenate([m, b[0].reshape(1, -1).astype(dtype)], axis=0)
-            p = apply_one(cache, m)
-            pw = layout.from_matrix(p[:-1] if b else p, w.shape).astype(w.dtype)
-            return (pw, p[-1].reshape(b[0].shape).astype(b[0].dtype)) if b else (pw,)
-
-        return per_slice(one, lead, state.cache, *grads)
+        return per_slice(_on_matrix(layout, dtype, apply_one), lead, state.cache, *grads)
 
     def eigen(state: BlockState) -> tuple:
         u_a, s_a, u_g, s_g = per_slice(eigen_one, lead, *state.stats)
@@ -230,3 +243,143 @@ def diagonal(shapes: tuple[tuple[int, ...], ...], *, dtype: Any) -> Block:
         return tuple(None for _ in shapes), state.stats
 
     return Block(init, update, refresh, precondition, eigen, _sync)
+
+
+# --------------------------------------------------------------------------------------------
+# EKFAC: K-FAC's eigenbasis, its eigenvalues replaced by each example's second moment in it
+
+
+class EkfacStats(NamedTuple):
+    """An EKFAC block's statistics: the EMA factors and the EMA ``scaling`` ``(d_a, d_g)``, the
+    second moment of each example's gradient of ``[W; b]`` in the basis of the last refresh."""
+
+    A: jax.Array
+    G: jax.Array
+    scaling: jax.Array
+
+
+class EkfacBasis(NamedTuple):
+    """An EKFAC block's cache: the factors' eigenbases as of the last refresh (empty for a
+    diagonal side: the identity) and the damping (NaN before the first refresh)."""
+
+    u_a: jax.Array
+    u_g: jax.Array
+    damping: jax.Array
+
+
+def ekfac_scaling(stats: Ekfac, u_a: jax.Array | None = None, u_g: jax.Array | None = None) -> jax.Array:
+    """EKFAC's scaling of one layer call: ``sum_{k,n} (U_A^T J_kn U_G)**2`` elementwise, ``(d_a, d_g)``,
+    where ``J_kn = sum_t a[n, t] g[k, n, t]^T`` is example ``n``'s gradient of ``M = [W; b]`` in
+    Monte-Carlo pass ``k`` (``Ekfac``'s rows). ``None`` bases are the identity (then it is the
+    Fisher's diagonal, ``diag_ggn_mc``, laid out as ``M``).
+
+    Examples:
+        >>> st = captured["fc1"].ekfac
+        >>> (u_a, u_g), _ = vk.curvature.ekfac_block(...).eigen(state)  # or any orthogonal bases
+        >>> vk.curvature.ekfac_scaling(st, jnp.linalg.eigh(st.A)[1], jnp.linalg.eigh(st.G)[1])
+    """
+    a = stats.a if u_a is None else stats.a @ u_a.astype(stats.a.dtype)
+    g = stats.g if u_g is None else stats.g @ u_g.astype(stats.g.dtype)
+    shape = (int(a.shape[-1]), int(g.shape[-1]))
+
+    def one(gk):  # one pass: sum_n J_n**2, with the per-example gradients formed in chunks
+        return statslayer.sum_sq([statslayer.Rows(a, gk, (0,), (1,), shape)])
+
+    if g.shape[0] == 1:
+        return one(g[0])
+    return lax.scan(lambda acc, gk: (acc + one(gk), None), jnp.zeros(shape, a.dtype), g)[0]
+
+
+def ekfac(
+    layout: Layout,
+    d_a: int,
+    d_g: int,
+    *,
+    dtype: Any,
+    lead: tuple = (),
+    diag_a: bool = False,
+    diag_g: bool = False,
+) -> Block:
+    """An EKFAC block of ``M = [W; b]`` (George et al. 2018): ``(A kron G)``'s eigenbasis
+    ``U_A kron U_G`` with the scaling ``S`` measured in it, ``M -> U_A [(U_A^T M U_G) / (S +
+    damping)] U_G^T`` (exact damping).
+
+    Statistics: ``Ekfac(A, G, a, g)`` of one step. ``update`` takes the EMA of ``A``, ``G`` and
+    of ``S`` = ``ekfac_scaling`` in the current basis; ``refresh`` takes the new eigenbasis of
+    the EMA factors and carries ``S`` into it as the diagonal, there, of the matrix ``S`` stood
+    for: ``S' = (R_A * R_A) S (R_G * R_G)^T`` with ``R = U_new^T U_old`` (unchanged when the bases
+    agree). The first basis is the identity, so the first step's ``S`` is the Fisher's
+    diagonal, carried into the first eigenbasis. A diagonal side (``diag_a`` / ``diag_g``) keeps
+    the identity basis.
+    """
+
+    def init() -> BlockState:
+        stats = EkfacStats(
+            _zeros((*lead, d_a) if diag_a else (*lead, d_a, d_a), dtype),
+            _zeros((*lead, d_g) if diag_g else (*lead, d_g, d_g), dtype),
+            _zeros((*lead, d_a, d_g), dtype),
+        )
+        eye = lambda d, diag: _zeros((*lead, 0), dtype) if diag else jnp.asarray(
+            np.broadcast_to(np.eye(d, dtype=dtype), (*lead, d, d))
+        )  # fmt: skip
+        return BlockState(stats, EkfacBasis(eye(d_a, diag_a), eye(d_g, diag_g), _nan(lead, dtype)))
+
+    def scaling_one(a, g, u_a, u_g):
+        return ekfac_scaling(Ekfac(None, None, a, g), None if diag_a else u_a, None if diag_g else u_g)
+
+    def update(state: BlockState, stats: Any, decay: Any) -> BlockState:
+        s = per_slice(
+            scaling_one, lead, stats.a.astype(dtype), stats.g.astype(dtype), state.cache.u_a, state.cache.u_g
+        )
+        old = state.stats
+        new = _ema((old.A, old.G, old.scaling), (stats.A, stats.G, s), decay)
+        return BlockState(EkfacStats(*new), state.cache)
+
+    def refresh_one(a, g, scaling, u_a, u_g, damping):
+        def side(x, u, diag):
+            if diag:
+                return u, None
+            v = jnp.linalg.eigh(x)[1]
+            return v, jnp.square(v.T @ u)
+
+        (v_a, r_a), (v_g, r_g) = side(a, u_a, diag_a), side(g, u_g, diag_g)
+        s = scaling if r_a is None else r_a @ scaling
+        s = s if r_g is None else s @ r_g.T
+        return s, EkfacBasis(v_a, v_g, jnp.asarray(damping, dtype))
+
+    def refresh(state: BlockState, damping: Any) -> BlockState:
+        st, cache = state.stats, state.cache
+        s, basis = per_slice(
+            lambda *xs: refresh_one(*xs, damping), lead, st.A, st.G, st.scaling, cache.u_a, cache.u_g
+        )
+        return BlockState(EkfacStats(st.A, st.G, s), basis)
+
+    def apply_one(at, m):  # in the eigenbasis, divided by the damped scaling, and back
+        scaling, cache = at
+        r = m if diag_a else cache.u_a.T @ m
+        r = r if diag_g else r @ cache.u_g
+        r = r / (scaling + cache.damping)
+        r = r if diag_a else cache.u_a @ r
+        return r if diag_g else r @ cache.u_g.T
+
+    def precondition(state: BlockState, grads: tuple) -> tuple:
+        at = (state.stats.scaling, state.cache)
+        return per_slice(_on_matrix(layout, dtype, apply_one), lead, at, *grads)
+
+    def eigen(state: BlockState) -> tuple:
+        c = state.cache
+        return (None if diag_a else c.u_a, None if diag_g else c.u_g), state.stats.scaling
+
+    def sync(stats: Ekfac, axis_name: Any) -> Ekfac:
+        """The factors averaged; the rows gathered over the axis (the examples of every shard),
+        ``g`` scaled so that the scaling is the shards' average."""
+        if axis_name is None:
+            return stats
+        shards = lax.psum(jnp.ones((), stats.g.dtype), axis_name)
+        gather = lambda x: lax.all_gather(x, axis_name, axis=x.ndim - 3, tiled=True)
+        return Ekfac(
+            lax.pmean(stats.A, axis_name), lax.pmean(stats.G, axis_name), gather(stats.a),
+            gather(stats.g) / jnp.sqrt(shards),
+        )  # fmt: skip
+
+    return Block(init, update, refresh, precondition, eigen, sync)

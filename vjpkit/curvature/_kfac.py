@@ -66,12 +66,12 @@ import optax
 from jax import lax
 
 from vjpkit._errors import ConfigError
-from vjpkit.curvature._blocks import Block, BlockState, diagonal, kronecker, per_slice, side_diagonal
-from vjpkit.curvature._types import Diagonal, Factors, LayerCurvature, Layout, stats_dtype
+from vjpkit.curvature._blocks import Block, BlockState, diagonal, ekfac, kronecker, per_slice, side_diagonal
+from vjpkit.curvature._types import Diagonal, Ekfac, Factors, LayerCurvature, Layout, stats_dtype
 
 __all__ = ["KfacState", "kfac"]
 
-_ESTIMATORS = ("kfac", "kflr", "kfac_empirical")
+_ESTIMATORS = ("kfac", "kflr", "kfac_empirical", "ekfac")
 _SOLVERS = ("inverse", "eigh")
 
 
@@ -104,7 +104,7 @@ def _lead_sum(x: jax.Array, scans: str, k: int) -> jax.Array:
     return jnp.sum(x, axis=summed) if summed else x
 
 
-def _stat_of(rec: Any, name: str, estimator: str, where: str) -> Factors | Diagonal:
+def _stat_of(rec: Any, name: str, estimator: str, where: str) -> Factors | Ekfac | Diagonal:
     if not isinstance(rec, LayerCurvature):
         raise ConfigError(
             f"kfac: {where}[{name!r}] is a {type(rec).__name__}, not a LayerCurvature; pass the dict "
@@ -224,7 +224,7 @@ def _plan(like: Mapping[str, LayerCurvature], estimator: str) -> _Plan:
         if getattr(layout, "kind", None) == "leaf" and getattr(rec, estimator, None) is None:
             continue  # a leaf no layer reads has a kfac entry only: uncovered (warned) otherwise
         f, layout = _stat_of(rec, name, estimator, "like"), rec.layout
-        if isinstance(f, Factors):
+        if isinstance(f, (Factors, Ekfac)):
             leaves = (layout.weight_leaf,) + ((layout.bias_leaf,) if layout.bias is not None else ())
             shapes = (tuple(f.A.shape), tuple(f.G.shape))
             n = len(layout.scans)
@@ -245,7 +245,8 @@ def _plan(like: Mapping[str, LayerCurvature], estimator: str) -> _Plan:
             )
             continue
         dtype = jax.dtypes.canonicalize_dtype(stats_dtype(jax.tree.leaves(f)[0].dtype))
-        calls.append(_Call(name, layout, isinstance(f, Factors), tuple(map(tuple, leaves)), shapes, dtype))
+        kron = isinstance(f, (Factors, Ekfac))
+        calls.append(_Call(name, layout, kron, tuple(map(tuple, leaves)), shapes, dtype))
     parent = list(range(len(calls)))  # union-find of the calls sharing a leaf
 
     def root(i):
@@ -290,6 +291,13 @@ def _build(plan: _Plan, shapes: Mapping[tuple, tuple], estimator: str, solver: s
         for c in calls:
             if c.kron:
                 _check_kron(c, [jax.ShapeDtypeStruct(shapes[leaf], dtype) for leaf in c.leaves], estimator)
+        if _same_kron(calls) and estimator == "ekfac":
+            lead, d_a, d_g, diag_a, diag_g = _kron_dims(head)
+            block = ekfac(head.layout, d_a, d_g, dtype=dtype, lead=lead, diag_a=diag_a, diag_g=diag_g)
+            out.append(
+                _Planned(head.name, names, head.leaves, block, _ekfac_gather(calls, (diag_a, diag_g), dtype))
+            )
+            continue
         if _same_kron(calls):
             lead, d_a, d_g, diag_a, diag_g = _kron_dims(head)
             block = kronecker(
@@ -349,6 +357,35 @@ def _build(plan: _Plan, shapes: Mapping[tuple, tuple], estimator: str, solver: s
     return out
 
 
+def _fold(x: jax.Array, scans: str) -> jax.Array:
+    """Rows ``(*scan axes, ..., T, d)`` with the axes of the scans
+    that do not slice the leaf (``"c"``: the same weight every iteration) folded into ``T``."""
+    fold = [i for i, how in enumerate(scans) if how != "s"]
+    if not fold:
+        return x
+    t = x.ndim - 2  # the rows' axis; the folded scan axes go just before it, then join it
+    x = jnp.moveaxis(x, fold, range(t - len(fold), t))
+    return x.reshape(*x.shape[: t - len(fold)], -1, x.shape[-1])
+
+
+def _ekfac_gather(calls: list, diag: tuple, dtype: Any) -> Any:
+    """One step's ``Ekfac`` of a group of calls of one weight: the factors summed (as K-FAC's),
+    the rows of every call (and every iteration of a scan closing over the weight) joined
+    along the rows' axis, so that each example's gradient is the sum of the calls'."""
+
+    def gather(curvature):
+        fs = [(_stat_of(curvature[c.name], c.name, "ekfac", "curvature"), c.layout.scans) for c in calls]
+        a_sum, g_sum = (
+            sum(_lead_sum(jnp.asarray(f[i]), scans, 1 if dg else 2).astype(dtype) for f, scans in fs)
+            for i, dg in enumerate(diag)
+        )
+        rows_a = jnp.concatenate([_fold(f.a, scans) for f, scans in fs], axis=-2)
+        rows_g = jnp.concatenate([_fold(f.g, scans) for f, scans in fs], axis=-2)
+        return Ekfac(a_sum, g_sum, rows_a.astype(dtype), rows_g.astype(dtype))
+
+    return gather
+
+
 def kfac(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -357,7 +394,7 @@ def kfac(
     damping: float = 1e-3,
     decay: float = 0.95,
     update_every: int = 1,
-    solver: str = "inverse",
+    solver: str | None = None,
     pi_damping: bool = True,
     momentum: float | None = None,
     axis_name: Any = None,
@@ -416,8 +453,15 @@ def kfac(
     """
     if estimator not in _ESTIMATORS:
         raise ConfigError(f"kfac: estimator={estimator!r}; use one of {_ESTIMATORS}.")
+    if solver is None:
+        solver = "eigh" if estimator == "ekfac" else "inverse"
     if solver not in _SOLVERS:
         raise ConfigError(f"kfac: solver={solver!r}; use one of {_SOLVERS}.")
+    if estimator == "ekfac" and solver != "eigh":
+        raise ConfigError(
+            f"kfac(estimator='ekfac'): solver={solver!r}; EKFAC preconditions in the factors' "
+            "eigenbasis with its own scaling: leave solver= out (or pass 'eigh')."
+        )
     if not damping > 0:
         raise ConfigError(f"kfac: damping={damping!r}; it must be > 0.")
     if not 0 <= decay < 1:

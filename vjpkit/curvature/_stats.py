@@ -29,14 +29,15 @@ from jax import lax
 from .. import stats as statslayer
 from .._errors import ConfigError
 from .._names import check_glob
-from ._types import Diagonal, Factors, LayerCurvature, Layout, stats_dtype
+from ._types import Diagonal, Ekfac, Factors, LayerCurvature, Layout, stats_dtype
 
 FACTORS = ("kflr", "kfac", "kfac_empirical")
 DIAGONAL = ("diag_ggn", "diag_ggn_mc")
 FIRST_ORDER = ("sum_grad_squared", "batch_l2", "backpack_variance")
-STATISTICS = FACTORS + DIAGONAL + FIRST_ORDER
+BLOCKS = (*FACTORS, "ekfac")  # the fields an optimizer's blocks read (each kind answers them)
+STATISTICS = (*BLOCKS, *DIAGONAL, *FIRST_ORDER)
 EXACT = ("kflr", "diag_ggn")  # need the Hessian square-root pulls
-SAMPLED = ("kfac", "diag_ggn_mc")  # need the Monte-Carlo pulls (and a key)
+SAMPLED = ("kfac", "ekfac", "diag_ggn_mc")  # need the Monte-Carlo pulls (and a key)
 MAX_FACTOR_DIM = 4096  # a longer K-FAC factor side is kept as its diagonal (distributed Shampoo's)
 
 
@@ -69,11 +70,12 @@ def stats(
     Args:
         layers: a glob or globs over layer paths (layers without parameters are skipped).
         which: any of ``kflr`` (exact GGN K-FAC factors), ``kfac`` (Monte-Carlo Fisher
-            factors), ``kfac_empirical`` (empirical Fisher factors), ``diag_ggn``,
+            factors), ``kfac_empirical`` (empirical Fisher factors), ``ekfac`` (``kfac``'s factors
+            and the rows of each example's Monte-Carlo gradient, for EKFAC), ``diag_ggn``,
             ``diag_ggn_mc``, ``sum_grad_squared``, ``batch_l2``, ``backpack_variance`` (BackPACK's
             ``Variance``, of the per-example gradients ``grad l_n / N``; ``vk.inspect.gradient_stats``'s
             ``variance`` is of ``grad l_n``, ``N^2`` times larger).
-        mc_samples: Monte-Carlo samples for ``kfac`` and ``diag_ggn_mc``; the transformed
+        mc_samples: Monte-Carlo samples for ``kfac``, ``ekfac`` and ``diag_ggn_mc``; the transformed
             function then takes ``key=``.
         max_factor_dim: a K-FAC factor side (``A``'s ``in [+1]``, ``G``'s ``out``) longer than
             this is computed as its diagonal only, a vector (a 50,257-token head's ``G`` would
@@ -282,6 +284,11 @@ def layer_stats(
             if name == "kfac_empirical":  # each example's dL/dy carries the 1/N of the mean
                 g = g * jnp.sqrt(jnp.asarray(n, dtype))
             out[name] = Factors(big_a, _g_factor(g, conv, max_dim))
+    if "ekfac" in which:  # kfac's factors, and the rows of each example's gradient of [W; b]
+        g = rows(mc)
+        big_a = out["kfac"].A if "kfac" in out else _a_factor(a, n, bias, conv, max_dim)
+        rows_a = jnp.concatenate([a, jnp.ones((*a.shape[:-1], 1), dtype)], axis=-1) if bias else a
+        out["ekfac"] = Ekfac(big_a, _g_factor(g, conv, max_dim), rows_a, g)
 
     out.update(
         _per_example_fields(
@@ -338,7 +345,7 @@ def local_stats(
     """The statistics of a layer with no K-FAC rule, from ``per_example(g) -> {leaf: (N, ...)}``,
     its per-example parameter gradients for output cotangents ``g`` (examples on ``axis``). Its
     K-FAC fields are its diagonal block (``Diagonal``) of the same curvature."""
-    factors = [s for s in which if s in FACTORS]
+    factors = [s for s in which if s in BLOCKS]
     if d.shape[axis] != n:
         raise ConfigError(
             f"vk.curvature.stats: {where}: the per-example statistics {list(which)} read axis {axis} of "
@@ -358,7 +365,7 @@ def local_stats(
     out: dict[str, Any] = {}
     if "diag_ggn" in which or "kflr" in which:
         out["diag_ggn"] = square_sum(exact)
-    if "diag_ggn_mc" in which or "kfac" in which:
+    if "diag_ggn_mc" in which or "kfac" in which or "ekfac" in which:
         out["diag_ggn_mc"] = square_sum(mc)
     sgs = None
     if "sum_grad_squared" in which or "backpack_variance" in which or "kfac_empirical" in which:
@@ -377,6 +384,7 @@ def local_stats(
     blocks = {  # the diagonal block of each K-FAC estimator asked for (see _types)
         "kflr": lambda: out["diag_ggn"],
         "kfac": lambda: out["diag_ggn_mc"],
+        "ekfac": lambda: out["diag_ggn_mc"],
         "kfac_empirical": lambda: jax.tree.map(lambda s: s * jnp.asarray(n, s.dtype), sgs),
     }
     for name in factors:

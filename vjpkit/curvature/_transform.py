@@ -34,6 +34,7 @@ from .._kinds import AffineNorm, LayerKind
 from .._names import matches_any
 from . import _examples, _losses
 from ._stats import (
+    BLOCKS,
     DIAGONAL,
     FACTORS,
     FIRST_ORDER,
@@ -151,7 +152,7 @@ def transform(
                     "(f(params, x, y, key=jax.random.key(0)))."
                 )
             seeds = _losses.sampled(mark, key, max(s.mc_samples for s in sampled))
-            if any("kfac" in s.which for s in sampled):  # for leaves no layer reads (_unread)
+            if any(w in s.which for s in sampled for w in _UNREAD):  # for leaves no layer reads
                 mc_grads, mc = pulled(seeds, with_grads=True)
             else:
                 mc_grads, mc = None, pulled(seeds)
@@ -199,7 +200,8 @@ def _share(traced, captured, result, chosen, exact, mc, n) -> None:
         if known and layout.kind == "dense" and set(layout.scans) <= {"c"}:
             groups.setdefault(layout, []).append(k)
     for layout, keys in groups.items():
-        which = sorted(set.intersection(*({w for w in chosen[k][0].which if w not in FACTORS} for k in keys)))
+        # the blocks' fields stay per call (ekfac's rows too: the optimizer joins a weight's calls)
+        which = sorted(set.intersection(*({w for w in chosen[k][0].which if w not in BLOCKS} for k in keys)))
         if sum(math.prod(traced.plan.by_key[k].scans) for k in keys) < 2 or not which:
             continue
         calls = []
@@ -237,10 +239,13 @@ def _share(traced, captured, result, chosen, exact, mc, n) -> None:
             )
 
 
+_UNREAD = ("kfac", "ekfac")  # the estimators whose diagonal a leaf no layer reads gets (_unread)
+
+
 def _unread(specs, paths, mc_grads, result) -> None:
     """Adds a ``kfac`` entry for each differentiated leaf no computed call's layout names (no
     layer reads it: a class token, a bare scale; or a layer reads a value computed from it),
-    when a spec asking for ``kfac`` matches the leaf's path: ``Diagonal(sum_m (J^T s_m)^2)``,
+    when a spec asking for ``kfac`` (or ``ekfac``) matches the leaf's path: ``Diagonal(sum_m (J^T s_m)^2)``,
     the squared parameter gradient of each Monte-Carlo pass. With ``E[sum_m s_m s_m^T] = H``
     and the labels drawn independently per position, its expectation is the diagonal of the
     Monte-Carlo Fisher (GGN) of the mean loss for that leaf, cross-example terms averaging to
@@ -262,12 +267,14 @@ def _unread(specs, paths, mc_grads, result) -> None:
             continue  # the params are the first differentiated argument (kfac reads one tree)
         inner = jax.tree_util.keystr(keys, simple=True, separator="/")
         name = f"arg{argnum}/{inner}" if several and inner else inner or f"arg{argnum}"
-        if not any("kfac" in s.which and matches_any(name, 0, s.layers) for s in specs):
+        asked = {w for s in specs if matches_any(name, 0, s.layers) for w in _UNREAD if w in s.which}
+        if not asked:
             continue
         g = g.astype(stats_dtype(g.dtype))
         layout = Layout("leaf", "", None, argnum=argnum, leaves=(("", keys),))
         key = f"{name}#leaf" if name in result else name
-        result[key] = LayerCurvature(kfac=Diagonal(jnp.sum(jnp.square(g), axis=0)), layout=layout)
+        block = Diagonal(jnp.sum(jnp.square(g), axis=0))
+        result[key] = LayerCurvature(**{w: block for w in asked}, layout=layout)
 
 
 def _examples_first(axis: int, x, d, ex, sm) -> tuple:

@@ -14,10 +14,12 @@ patches and ``W`` as ``(kh*kw*...*c_in, c_out)``), inside a loss registered with
   approximation of the loss's GGN (Fisher) block of ``[vec(W); b]`` with ``W`` as ``(in, out)``.
   A factor side longer than ``max_factor_dim`` is its diagonal only (a vector: ``A``'s or
   ``G``'s diagonal), so ``kron`` is then with ``diag`` of it.
+* ``Ekfac(A, G, a, g)``: ``kfac``'s factors and the rows of each example's Monte-Carlo gradient
+  (``ekfac``; its scaling in an eigenbasis is ``vk.curvature.ekfac_scaling``).
 * ``Diagonal(diagonal)``: the same estimator's field for a layer with no Kronecker rule (an
   embedding, a norm's scale and shift, a residual bias, a transposed or custom layer): the
-  diagonal of the same curvature (``kflr``: the exact GGN's, ``= diag_ggn``; ``kfac``: the
-  Monte-Carlo Fisher's, ``= diag_ggn_mc``; ``kfac_empirical``: the empirical Fisher's,
+  diagonal of the same curvature (``kflr``: the exact GGN's, ``= diag_ggn``; ``kfac`` and
+  ``ekfac``: the Monte-Carlo Fisher's, ``= diag_ggn_mc``; ``kfac_empirical``: the empirical Fisher's,
   ``N * sum_grad_squared``), keyed like the layer's ``params``.
 * the first-order statistics and the diagonal GGN are pytrees keyed like the layer's ``params``
   (BackPACK's conventions for a mean loss: the per-example gradient is that of ``l_n / N``).
@@ -46,6 +48,23 @@ class Factors(NamedTuple):
 
     A: jax.Array
     G: jax.Array
+
+
+class Ekfac(NamedTuple):
+    """EKFAC's statistics of a Kronecker layer (George et al. 2018): the Monte-Carlo Fisher's
+    factors ``A``, ``G`` (as ``kfac``'s) and each example's gradient in matrix form, so that its
+    second moment can be taken in any basis (``vk.curvature.ekfac_scaling``).
+
+    ``a`` ``(N, T, d_a)``: the rows of each example (``[x, 1]`` with a bias: the ``1`` is the
+    bias's own input, also for a convolution); ``g`` ``(K, N, T, d_g)``: the output cotangents of
+    the ``K`` Monte-Carlo passes (each carrying ``1 / sqrt(N K)``). Example ``n``'s gradient of
+    ``M = [W; b]`` in pass ``k`` is ``sum_t a[n, t] g[k, n, t]^T``.
+    """
+
+    A: jax.Array
+    G: jax.Array
+    a: jax.Array
+    g: jax.Array
 
 
 class Diagonal(NamedTuple):
@@ -136,6 +155,7 @@ class LayerCurvature:
     kflr: Factors | None = None
     kfac: Factors | None = None
     kfac_empirical: Factors | None = None
+    ekfac: Any = None
     diag_ggn: Any = None
     diag_ggn_mc: Any = None
     sum_grad_squared: Any = None
