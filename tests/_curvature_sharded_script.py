@@ -9,12 +9,18 @@ Usage: ``python tests/_curvature_sharded_script.py`` with
 * ``shard_map``: inside ``jax.shard_map`` over the devices, each shard's statistics (its own
   records) averaged by ``vk.curvature.kfac(axis_name="data")`` give the update computed from the
   whole batch at once.
+* ``ekfac_shard_map``: EKFAC inside ``jax.shard_map``: ``axis_name="data"`` averages the factors
+  and gathers the rows (``g`` scaled by ``1 / sqrt(shards)``), which equals each shard's
+  statistics computed alone (the same key) and combined by hand, given to an EKFAC optimizer
+  without an axis (the Monte-Carlo labels are drawn per shard, so the whole batch's own draw is
+  not the reference).
 * ``fit``: ``vk.train.fit`` with the K-FAC optimizer on a ``data_mesh`` of all devices: the
   final params (compared across device counts by the parent test).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -93,6 +99,46 @@ def shard_map() -> dict:
     return {"update_norm": float(optax.global_norm(per_shard))}
 
 
+def ekfac_shard_map() -> dict:
+    params, x, y = problem()
+    mesh, n, key = vk.train.data_mesh(), jax.device_count(), jax.random.key(1)
+    spec = vk.curvature.stats("*", ["ekfac"])
+    grad_fn = vk.value_and_grad(loss_fn, capture=spec)
+    like = jax.eval_shape(grad_fn, params, x, y, key=key)[1]
+    opt = vk.curvature.kfac(0.1, like=like, estimator="ekfac", damping=1e-2, axis_name="data")
+
+    def body(p, s, xs, ys):
+        (_, grads), curvature = grad_fn(p, xs, ys, key=key)
+        grads = jax.tree.map(lambda g: g / jax.lax.psum(1, "data"), grads)
+        updates, new = opt.update(grads, s, p, curvature=curvature)
+        return jax.tree.map(lambda a: a[None], (updates, new.factors))  # each shard's own copy
+
+    P = PartitionSpec
+    copies = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=P("data"))
+    )(params, opt.init(params), x, y)
+    shards = [jax.jit(grad_fn)(params, xs, ys, key=key) for xs, ys in zip(np.split(x, n), np.split(y, n))]
+    grads = jax.tree.map(lambda *g: sum(g) / n, *[g for (_, g), _ in shards])
+    combined = {}
+    for name, rec in shards[0][1].items():
+        st = [c[name].ekfac for _, c in shards]
+        combined[name] = dataclasses.replace(
+            rec,
+            ekfac=vk.curvature.Ekfac(
+                sum(s.A for s in st) / n, sum(s.G for s in st) / n,
+                jnp.concatenate([s.a for s in st], axis=-3),
+                jnp.concatenate([s.g for s in st], axis=-3) / np.sqrt(n).astype(np.float32),
+            ),
+        )  # fmt: skip
+    whole = vk.curvature.kfac(0.1, like=like, estimator="ekfac", damping=1e-2)
+    expected, state = whole.update(grads, whole.init(params), params, curvature=combined)
+    for i in range(n):  # every shard holds the same update and statistics
+        per_shard, factors = jax.tree.map(lambda a, i=i: a[i], copies)
+        close(per_shard, expected, f"ekfac shard_map + axis_name vs the shards combined, shard {i}: ")
+        close(factors, state.factors, f"ekfac shard_map statistics vs the shards combined, shard {i}: ")
+    return {"update_norm": float(optax.global_norm(expected))}
+
+
 def fit() -> dict:
     params, x, y = problem()
     spec = vk.curvature.stats("*", ["kfac"])
@@ -112,5 +158,8 @@ def fit() -> dict:
 
 
 if __name__ == "__main__":
-    out = {"devices": jax.device_count(), "sharded": sharded(), "shard_map": shard_map(), "fit": fit()}
+    out = {
+        "devices": jax.device_count(), "sharded": sharded(), "shard_map": shard_map(),
+        "ekfac_shard_map": ekfac_shard_map(), "fit": fit(),
+    }  # fmt: skip
     print("RESULT " + json.dumps(out))

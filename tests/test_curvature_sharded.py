@@ -2,7 +2,8 @@
 
 Each run checks, itself, that the statistics of a batch sharded over its devices equal those of
 the batch on one device, and that per-shard statistics inside ``jax.shard_map`` averaged by the
-K-FAC optimizer's ``axis_name`` give the whole batch's update. Here the two runs' ``fit`` with
+K-FAC optimizer's ``axis_name`` give the whole batch's update (EKFAC's: the shards' statistics
+combined by hand). Here the two runs' ``fit`` with
 the K-FAC optimizer on a data mesh must agree.
 """
 
@@ -35,6 +36,7 @@ def test_statistics_and_kfac_agree_on_1_and_4_devices(runs):
     assert one["sharded"]["layers"] == four["sharded"]["layers"] == ["fc1", "fc2"]
     np.testing.assert_allclose(four["sharded"]["loss"], one["sharded"]["loss"], rtol=1e-6)
     np.testing.assert_allclose(four["shard_map"]["update_norm"], one["shard_map"]["update_norm"], rtol=1e-5)
+    assert four["ekfac_shard_map"]["update_norm"] > 0  # each run checked EKFAC's sync itself
     np.testing.assert_allclose(four["fit"]["loss"], one["fit"]["loss"], rtol=1e-5)
     for a, b in zip(four["fit"]["params"], one["fit"]["params"]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -91,6 +91,39 @@ def test_scaling_equals_vmap_grad_in_the_eigenbasis(maybe_jit):
         np.testing.assert_allclose(vk.curvature.ekfac_scaling(st), ident, rtol=1e-10, atol=1e-16)
 
 
+def cnn(p, x):  # NHWC, a stride-2 SAME convolution with a bias, then a dense head
+    y = lax.conv_general_dilated(
+        x, p["conv"]["w"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    h = jnp.tanh(y + p["conv"]["b"]).reshape(x.shape[0], -1)
+    return h @ p["fc"]["w"] + p["fc"]["b"]
+
+
+def test_conv_scaling_equals_vmap_grad_in_the_eigenbasis():
+    """A convolution's rows are its output positions with the unfolded patches (and the bias's
+    input 1): its scaling equals the per-example kernel and bias gradients' rotated squares."""
+    rng = np.random.default_rng(6)
+    params = {
+        "conv": {"w": 0.4 * rng.standard_normal((3, 3, 2, 3)), "b": 0.1 * rng.standard_normal(3)},
+        "fc": {"w": 0.3 * rng.standard_normal((27, C)), "b": np.zeros(C)},
+    }
+    x, y = rng.standard_normal((N, 6, 6, 2)), rng.integers(0, C, (N,))
+    key = jax.random.key(8)
+    loss = lambda p, x, y: vk.curvature.softmax_cross_entropy(cnn(p, x), y)
+    _, cap = jax.jit(vk.grad(loss, capture=vk.curvature.stats("conv", ["ekfac"], mc_samples=K)))(
+        params, x, y, key=key
+    )
+    logits = cnn(params, x)
+    seeds = _losses.sampled(_losses.Mark("softmax_cross_entropy", logits, jax.nn.one_hot(y, C)), key, K)
+    one = lambda s, xn: jax.grad(lambda p: jnp.sum(s * cnn(p, xn[None])[0]))(params)["conv"]
+    g = jax.vmap(jax.vmap(one), in_axes=(0, None))(seeds, x)
+    jac = np.concatenate([np.asarray(g["w"]).reshape(K, N, 18, 3), np.asarray(g["b"])[..., None, :]], axis=-2)
+    st = cap["conv"].ekfac
+    u_a, u_g = np.linalg.eigh(st.A)[1], np.linalg.eigh(st.G)[1]
+    want = np.sum(np.square(np.einsum("ai,knab,bj->knij", u_a, jac, u_g)), axis=(0, 1))
+    np.testing.assert_allclose(vk.curvature.ekfac_scaling(st, u_a, u_g), want, rtol=1e-10, atol=1e-16)
+
+
 def test_scaling_under_jit_of_a_scan_over_the_seeds():
     """More Monte-Carlo passes than one go through ``lax.scan``; the jitted function traces once."""
     params, (x, y), key = mlp_params(), data(), jax.random.key(5)

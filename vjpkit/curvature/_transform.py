@@ -141,6 +141,21 @@ def transform(
                 return jax.vmap(lambda s: pull([zero, s])[:2])(seeds)
             return jax.vmap(lambda s: pull([zero, s])[1])(seeds)
 
+        n = output.shape[0]
+        paths = _leaf_paths([args[i] for i in nums], nums)
+        result_captured, chosen, rules = {}, {}, {}
+        for k, rec in captured.items():  # the rules first: they say which leaves no layer reads
+            site = traced.plan.by_key[k]
+            spec = next((s for s in specs if matches_any(site.name, site.call, s.layers)), None)
+            if spec is None or site.spec is not raw:
+                result_captured[k] = rec
+                continue
+            if not jax.tree.leaves(rec.params) or traced.plan.contains_calls(site):
+                continue  # no parameters, or a container (its layers have their own statistics)
+            rule = _rule(site, paths, spec, name)
+            rules[k] = rule
+            chosen[k] = (spec, _example_axis(traced, site, rule, spec, n, name))
+        unread = _unread_leaves(specs, paths, [r if isinstance(r, Layout) else r[1] for r in rules.values()])
         exact = pulled(_losses.sqrt_hessian(mark)) if any(s.exact for s in specs) else None
         mc = mc_grads = None
         sampled = [s for s in specs if s.sampled]
@@ -152,31 +167,20 @@ def transform(
                     "(f(params, x, y, key=jax.random.key(0)))."
                 )
             seeds = _losses.sampled(mark, key, max(s.mc_samples for s in sampled))
-            if any(w in s.which for s in sampled for w in _UNREAD):  # for leaves no layer reads
+            if unread:  # the passes' parameter gradients too, for the leaves no layer reads
                 mc_grads, mc = pulled(seeds, with_grads=True)
             else:
-                mc_grads, mc = None, pulled(seeds)
-        n = output.shape[0]
-        paths = _leaf_paths([args[i] for i in nums], nums)
-        result_captured, chosen = {}, {}
-        for k, rec in captured.items():
-            site = traced.plan.by_key[k]
-            spec = next((s for s in specs if matches_any(site.name, site.call, s.layers)), None)
-            if spec is None or site.spec is not raw:
-                result_captured[k] = rec
-                continue
-            if not jax.tree.leaves(rec.params) or traced.plan.contains_calls(site):
-                continue  # no parameters, or a container (its layers have their own statistics)
-            rule = _rule(site, paths, spec, name)
-            axis = _example_axis(traced, site, rule, spec, n, name)
-            chosen[k] = (spec, axis)
+                mc = pulled(seeds)
+        for k, rule in rules.items():
+            spec, axis = chosen[k]
+            site, rec = traced.plan.by_key[k], captured[k]
             result_captured[k] = _stacked_stats(
                 spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k, axis,
                 spec.max_factor_dim,
             )  # fmt: skip
         _share(traced, captured, result_captured, chosen, exact, mc, n)
         if mc_grads is not None:
-            _unread(specs, paths, mc_grads, result_captured)
+            _add_unread(unread, mc_grads, result_captured)
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
             result = ((value, aux), user_grads) if has_aux else (value, user_grads)
@@ -239,39 +243,50 @@ def _share(traced, captured, result, chosen, exact, mc, n) -> None:
             )
 
 
-_UNREAD = ("kfac", "ekfac")  # the estimators whose diagonal a leaf no layer reads gets (_unread)
+_UNREAD = ("kfac", "ekfac")  # the estimators a leaf no layer reads answers (_unread_leaves)
 
 
-def _unread(specs, paths, mc_grads, result) -> None:
-    """Adds a ``kfac`` entry for each differentiated leaf no computed call's layout names (no
-    layer reads it: a class token, a bare scale; or a layer reads a value computed from it),
-    when a spec asking for ``kfac`` (or ``ekfac``) matches the leaf's path: ``Diagonal(sum_m (J^T s_m)^2)``,
-    the squared parameter gradient of each Monte-Carlo pass. With ``E[sum_m s_m s_m^T] = H``
-    and the labels drawn independently per position, its expectation is the diagonal of the
-    Monte-Carlo Fisher (GGN) of the mean loss for that leaf, cross-example terms averaging to
-    zero; a layer's ``diag_ggn_mc`` estimates the same diagonal, per example. Only leaves of
-    the first differentiated argument (the params; ``kfac`` reads one tree), real floating
-    leaves only. Keyed by the leaf's path (``"#leaf"`` added if a layer has that name),
-    ``Layout`` kind ``"leaf"``."""
+def _unread_leaves(specs, paths, layouts) -> list[tuple[int, str, Layout, tuple]]:
+    """The differentiated leaves no chosen call's layout names (no layer reads it: a class
+    token, a bare scale; or a layer reads a value computed from it) that a spec asking for
+    ``kfac`` or ``ekfac`` matches by path: ``(index in paths, name, Layout, estimators)`` each.
+    Only leaves of the first differentiated argument (the params; ``kfac`` reads one tree),
+    named as the layers are (``"arg0/..."`` with several arguments); ``_add_unread`` skips the
+    non-float ones."""
     covered = set()
-    for stats in result.values():
-        layout = getattr(stats, "layout", None)
-        if isinstance(layout, Layout):
-            named = [layout.weight_leaf, layout.bias_leaf, *(p for _, p in layout.leaves)]
-            covered.update((layout.argnum, p) for p in named if p is not None)
-    flat = [leaf for g in mc_grads for leaf in jax.tree.leaves(g)]
+    for layout in layouts:
+        named = [layout.weight_leaf, layout.bias_leaf, *(p for _, p in layout.leaves)]
+        covered.update((layout.argnum, p) for p in named if p is not None)
     first = paths[0][0] if paths else None
-    several = len({a for a, _ in paths}) > 1  # named as the layers are: "arg0/..."
-    for (argnum, keys), g in zip(paths, flat, strict=True):
-        if argnum != first or (argnum, keys) in covered or not jnp.issubdtype(g.dtype, jnp.floating):
-            continue  # the params are the first differentiated argument (kfac reads one tree)
+    several = len({a for a, _ in paths}) > 1
+    out = []
+    for i, (argnum, keys) in enumerate(paths):
+        if argnum != first or (argnum, keys) in covered:
+            continue
         inner = jax.tree_util.keystr(keys, simple=True, separator="/")
         name = f"arg{argnum}/{inner}" if several and inner else inner or f"arg{argnum}"
-        asked = {w for s in specs if matches_any(name, 0, s.layers) for w in _UNREAD if w in s.which}
-        if not asked:
+        asked = tuple(
+            w for w in _UNREAD if any(w in s.which and matches_any(name, 0, s.layers) for s in specs)
+        )
+        if asked:
+            out.append((i, name, Layout("leaf", "", None, argnum=argnum, leaves=(("", keys),)), asked))
+    return out
+
+
+def _add_unread(unread, mc_grads, result) -> None:
+    """Adds the entry of each leaf of ``_unread_leaves``: ``Diagonal(sum_m (J^T s_m)^2)``, the
+    squared parameter gradient of each Monte-Carlo pass, for each estimator asked. With
+    ``E[sum_m s_m s_m^T] = H`` and the labels drawn independently per position, its expectation
+    is the diagonal of the Monte-Carlo Fisher (GGN) of the mean loss for that leaf,
+    cross-example terms averaging to zero; a layer's ``diag_ggn_mc`` estimates the same
+    diagonal, per example. Real floating leaves only; keyed by the leaf's name (``"#leaf"``
+    added if a layer has that name), ``Layout`` kind ``"leaf"``."""
+    flat = [leaf for g in mc_grads for leaf in jax.tree.leaves(g)]
+    for i, name, layout, asked in unread:
+        g = flat[i]
+        if not jnp.issubdtype(g.dtype, jnp.floating):
             continue
         g = g.astype(stats_dtype(g.dtype))
-        layout = Layout("leaf", "", None, argnum=argnum, leaves=(("", keys),))
         key = f"{name}#leaf" if name in result else name
         block = Diagonal(jnp.sum(jnp.square(g), axis=0))
         result[key] = LayerCurvature(**{w: block for w in asked}, layout=layout)
