@@ -25,6 +25,8 @@ inverts and applies them.
   ``Layout.scans`` with ``"s"``) is one block per slice: its factors, their EMA and inverses
   keep the iterations' leading axes, and each slice of the leaf is preconditioned by its own
   (``jax.vmap`` over the slices), exactly as the same model unrolled into separate weights.
+* EKFAC (``estimator="ekfac"``): each Kronecker group is an ``_blocks.ekfac`` block instead, fed
+  the same summed factors and the calls' per-example rows joined (``_ekfac_gather``).
 * Leaves no layer reads. ``stats`` with ``kfac`` gives each such leaf (a class token, a
   temperature) an entry of ``Layout`` kind ``"leaf"`` holding its ``Diagonal``: one diagonal
   block, as any other ``Diagonal`` call.
@@ -291,37 +293,18 @@ def _build(plan: _Plan, shapes: Mapping[tuple, tuple], estimator: str, solver: s
         for c in calls:
             if c.kron:
                 _check_kron(c, [jax.ShapeDtypeStruct(shapes[leaf], dtype) for leaf in c.leaves], estimator)
-        if _same_kron(calls) and estimator == "ekfac":
-            lead, d_a, d_g, diag_a, diag_g = _kron_dims(head)
-            block = ekfac(head.layout, d_a, d_g, dtype=dtype, lead=lead, diag_a=diag_a, diag_g=diag_g)
-            out.append(
-                _Planned(head.name, names, head.leaves, block, _ekfac_gather(calls, (diag_a, diag_g), dtype))
-            )
-            continue
         if _same_kron(calls):
             lead, d_a, d_g, diag_a, diag_g = _kron_dims(head)
-            block = kronecker(
-                head.layout, d_a, d_g, dtype=dtype, lead=lead, diag_a=diag_a, diag_g=diag_g,
-                solver=solver, pi_damping=pi_damping,
-            )  # fmt: skip
-
-            def gather(curvature, calls=calls, lead=lead, diag=(diag_a, diag_g), d=(d_a, d_g), dtype=dtype):
-                total = None
-                for c in calls:
-                    f = _stat_of(curvature[c.name], c.name, estimator, "curvature")
-                    want = tuple((*lead, n) if dg else (*lead, n, n) for n, dg in zip(d, diag))
-                    got = tuple(
-                        _lead_sum(jnp.asarray(x), c.layout.scans, 1 if dg else 2).astype(dtype)
-                        for x, dg in zip(f, diag)
-                    )
-                    if tuple(x.shape for x in got) != want:
-                        raise ConfigError(
-                            f"kfac: layer {c.name!r}: this step's {estimator} factors A {tuple(f.A.shape)}, "
-                            f"G {tuple(f.G.shape)} differ from like's {c.shapes[0]}, {c.shapes[1]}."
-                        )
-                    total = got if total is None else tuple(t + x for t, x in zip(total, got))
-                return Factors(*total)
-
+            factors = _factor_sum(calls, lead, (diag_a, diag_g), (d_a, d_g), dtype, estimator)
+            if estimator == "ekfac":
+                block = ekfac(head.layout, d_a, d_g, dtype=dtype, lead=lead, diag_a=diag_a, diag_g=diag_g)
+                gather = _ekfac_gather(calls, factors, dtype)
+            else:
+                block = kronecker(
+                    head.layout, d_a, d_g, dtype=dtype, lead=lead, diag_a=diag_a, diag_g=diag_g,
+                    solver=solver, pi_damping=pi_damping,
+                )  # fmt: skip
+                gather = lambda curvature, factors=factors: Factors(*factors(curvature))
             out.append(_Planned(head.name, names, head.leaves, block, gather))
             continue
         leaves = tuple(dict.fromkeys(leaf for c in calls for leaf in c.leaves))
@@ -368,20 +351,41 @@ def _fold(x: jax.Array, scans: str) -> jax.Array:
     return x.reshape(*x.shape[: t - len(fold)], -1, x.shape[-1])
 
 
-def _ekfac_gather(calls: list, diag: tuple, dtype: Any) -> Any:
-    """One step's ``Ekfac`` of a group of calls of one weight: the factors summed (as K-FAC's),
-    the rows of every call (and every iteration of a scan closing over the weight) joined
-    along the rows' axis, so that each example's gradient is the sum of the calls'."""
+def _factor_sum(calls: list, lead: tuple, diag: tuple, d: tuple, dtype: Any, estimator: str) -> Any:
+    """``sum(curvature) -> (A, G)``: one step's factors of a Kronecker group, each call's scan axes
+    summed but the slicing ones (``lead``), checked against ``like``'s shapes, summed over calls."""
+
+    def total(curvature):
+        out = None
+        for c in calls:
+            f = _stat_of(curvature[c.name], c.name, estimator, "curvature")
+            want = tuple((*lead, n) if dg else (*lead, n, n) for n, dg in zip(d, diag))
+            got = tuple(
+                _lead_sum(jnp.asarray(x), c.layout.scans, 1 if dg else 2).astype(dtype)
+                for x, dg in zip((f.A, f.G), diag)
+            )
+            if tuple(x.shape for x in got) != want:
+                raise ConfigError(
+                    f"kfac: layer {c.name!r}: this step's {estimator} factors A {tuple(f.A.shape)}, "
+                    f"G {tuple(f.G.shape)} differ from like's {c.shapes[0]}, {c.shapes[1]}."
+                )
+            out = got if out is None else tuple(t + x for t, x in zip(out, got))
+        return out
+
+    return total
+
+
+def _ekfac_gather(calls: list, factors: Any, dtype: Any) -> Any:
+    """One step's ``Ekfac`` of a group of calls of one weight: the factors summed
+    (``_factor_sum``, as K-FAC's), the rows of every call (and every iteration of a scan closing
+    over the weight) joined along the rows' axis, so that each example's gradient is the sum of
+    the calls'."""
 
     def gather(curvature):
         fs = [(_stat_of(curvature[c.name], c.name, "ekfac", "curvature"), c.layout.scans) for c in calls]
-        a_sum, g_sum = (
-            sum(_lead_sum(jnp.asarray(f[i]), scans, 1 if dg else 2).astype(dtype) for f, scans in fs)
-            for i, dg in enumerate(diag)
-        )
         rows_a = jnp.concatenate([_fold(f.a, scans) for f, scans in fs], axis=-2)
         rows_g = jnp.concatenate([_fold(f.g, scans) for f, scans in fs], axis=-2)
-        return Ekfac(a_sum, g_sum, rows_a.astype(dtype), rows_g.astype(dtype))
+        return Ekfac(*factors(curvature), rows_a.astype(dtype), rows_g.astype(dtype))
 
     return gather
 
