@@ -1019,12 +1019,6 @@ def test_layer_norm_kflr_is_its_diagonal_block():
     tree_allclose(captured["ln"].kflr.diagonal, captured["ln"].diag_ggn)
 
 
-def test_hooks_with_stats_are_refused(f64):
-    loss, p, x, y = _mlp_loss_and_data()
-    with pytest.raises(vk.ConfigError, match=r"hooks= cannot be combined"):
-        jax.jit(vk.grad(loss, hooks={"fc1": lambda rec: None}, capture=vk.curvature.stats()))(p, x, y)
-
-
 def test_stats_arguments_are_checked():
     with pytest.raises(vk.ConfigError, match=r"unknown statistic.*'kfrl'"):
         vk.curvature.stats("*", ["kflr", "kfrl"])

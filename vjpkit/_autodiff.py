@@ -106,8 +106,9 @@ def _transform(
     if special is not None:
         with_value = jax_transform is jax.value_and_grad
         hooked = special(name, fun, argnums, has_aux, hooks, capture, match, with_value)
+        config = getattr(hooked, "hook_config", None)  # its hooks' configuration, if any
         hooked = functools.wraps(fun)(hooked)
-        hooked.__vjpkit__ = dict(fun=fun, config=None)
+        hooked.__vjpkit__ = dict(fun=fun, config=config, argnums=argnums, has_aux=has_aux)
         return hooked
     config = _engine.configure(hooks, capture, name, match)
     if not config.hooks and not config.capture:
@@ -264,7 +265,7 @@ def init_hook_state(fn: Callable, *args: Any, **kwargs: Any) -> HookState:
             f"(with hooks=...), got {getattr(fn, '__name__', type(fn).__name__)}."
         )
     config, fun = meta["config"], meta["fun"]
-    if config is None:  # a transform with its own program (vk.curvature.stats) keeps no hook state
+    if config is None:  # a transform with its own program (vk.curvature.stats) and no hooks
         return HookState()
     # the same arguments differentiated as the transform's calls: plain-JAX matching names the
     # layers by the paths of these leaves, and takes the others (the batch) as data

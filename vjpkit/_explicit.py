@@ -238,7 +238,7 @@ def _tangent_scope(pairs: tuple, transform: str) -> Iterator[None]:
             f"Nested hooked transforms would hide the outer transform's hooks from these layers. "
             f"Apply {transform} outside it (forward over reverse), or drop one set of hooks."
         )
-    scope = TangentScope(_engine.configure(pairs, (), transform))
+    scope = TangentScope(_engine.configure(pairs, (), transform), _engine.tangent_hooks())
     with _context.activate(scope):
         yield
     scope.config.check_matched(scope.names)

@@ -24,7 +24,7 @@ from . import _context, _format
 from ._check import check_like
 from ._errors import ConfigError, HookError
 from ._hook_base import HookTransform, at_iteration, factory, inner, is_before, is_deferred
-from ._records import Cotangents
+from ._records import Cotangents, Tangents
 
 
 @factory
@@ -137,40 +137,63 @@ def hook_name(hook: Callable) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
-def validate(rec: Cotangents, new: Any, hook: Callable, phase: str = "after") -> Cotangents:
-    """Checks that ``new`` may replace ``rec`` (returned by ``hook`` in ``phase``) and returns it."""
-    pre = phase == "before"
-    who = f"{'pre-hook' if pre else 'hook'} {hook_name(hook)} on layer {rec.name!r} (call {rec.call})"
+# What a hook may replace, per record type and phase; every other field is read-only.
+_WRITABLE = {
+    "before": ("grad_output",),
+    "after": ("grad_input", "grad_params"),
+    "tangent": ("tangent_output",),
+}
+_READ_ONLY = {
+    "before": ("params", "input", "output"),
+    "after": ("params", "input", "output", "grad_output"),
+    "tangent": ("params", "input", "output", "tangent_input", "tangent_params"),
+}
+_ONLY = {
+    "before": "grad_output can be replaced before the layer's VJP.",
+    "after": "grad_input and grad_params can be replaced; they are what the layers below receive.",
+    "tangent": "tangent_output can be replaced: it is what the layers above receive.",
+}
+
+
+def validate(rec: Any, new: Any, hook: Callable, phase: str = "after") -> Any:
+    """Checks that ``new`` may replace ``rec`` (returned by ``hook`` in ``phase``) and returns it.
+
+    ``phase``: ``"before"`` / ``"after"`` a layer's VJP (``Cotangents``), or ``"tangent"``
+    (forward mode, ``Tangents``). A replacement keeps the record's layer and call, leaves its
+    read-only fields as they are, and matches each replaced field's structure, shapes and dtypes.
+    """
+    pre, fwd = phase == "before", phase == "tangent"
+    kind = "pre-hook" if pre else "tangent hook" if fwd else "hook"
+    who = f"{kind} {hook_name(hook)} on layer {rec.name!r} (call {rec.call})"
     if new is None:
         return rec
-    if not isinstance(new, Cotangents):
+    if not isinstance(new, type(rec)):
+        how = (
+            "rec.replace(tangent_output=...) to rewrite the output tangent."
+            if fwd
+            else "rec.replace(grad_input=..., grad_params=...) to rewrite cotangents."
+        )
         raise HookError(
-            f"{who} returned {type(new).__name__}, not a record. A hook returns None to observe, "
-            "or rec.replace(grad_input=..., grad_params=...) to rewrite cotangents."
+            f"{who} returned {type(new).__name__}, not a {'Tangents ' if fwd else ''}record. A "
+            f"{kind} returns None to observe, or {how}"
         )
     if (new.name, new.call) != (rec.name, rec.call):
         raise HookError(
             f"{who} returned the record of layer {new.name!r} (call {new.call}). "
             "Return the record you were given, changed with rec.replace(...)."
         )
-    for field in ("params", "input", "output", *(() if pre else ("grad_output",))):
-        if getattr(new, field) is not getattr(rec, field):
-            if field == "grad_output":
-                raise HookError(
-                    f"{who} changed field 'grad_output', which is read-only after the layer's own VJP "
-                    "has run: grad_input and grad_params were computed from it. To rewrite grad_output "
-                    "before the layer's VJP (PyTorch's register_full_backward_pre_hook), wrap the hook "
-                    "in vk.before: hooks={" + repr(rec.name) + ": vk.before(hook)}; grad_input and "
-                    "grad_params are then computed from the new value."
-                )
+    for field in _READ_ONLY[phase]:
+        if getattr(new, field) is getattr(rec, field):
+            continue
+        if field == "grad_output":
             raise HookError(
-                f"{who} changed field {field!r}, which is read-only. Only "
-                + (
-                    "grad_output can be replaced before the layer's VJP."
-                    if pre
-                    else "grad_input and grad_params can be replaced; they are what the layers below receive."
-                )
+                f"{who} changed field 'grad_output', which is read-only after the layer's own VJP "
+                "has run: grad_input and grad_params were computed from it. To rewrite grad_output "
+                "before the layer's VJP (PyTorch's register_full_backward_pre_hook), wrap the hook "
+                "in vk.before: hooks={" + repr(rec.name) + ": vk.before(hook)}; grad_input and "
+                "grad_params are then computed from the new value."
             )
+        raise HookError(f"{who} changed field {field!r}, which is read-only. Only " + _ONLY[phase])
     if pre:
         for field in ("grad_input", "grad_params"):
             if getattr(new, field) is not None:
@@ -179,16 +202,7 @@ def validate(rec: Cotangents, new: Any, hook: Callable, phase: str = "after") ->
                     "A vk.before hook may only replace grad_output; rewrite grad_input or grad_params "
                     "with a hook that runs after the VJP (without vk.before)."
                 )
-        if new.grad_output is not rec.grad_output:
-            check_like(
-                rec.grad_output,
-                new.grad_output,
-                what=f"{who}, field 'grad_output'",
-                error=HookError,
-                hint=_EXACT,
-            )
-        return new
-    for field in ("grad_input", "grad_params"):
+    for field in _WRITABLE[phase]:
         expected, got = getattr(rec, field), getattr(new, field)
         if got is expected:
             continue
@@ -199,14 +213,27 @@ def validate(rec: Cotangents, new: Any, hook: Callable, phase: str = "after") ->
                 else "the params are not being differentiated (see argnums)"
             )
             raise HookError(f"{who} set field {field!r}, which is None because {why}. Leave it None.")
-        check_like(
-            expected,
-            got,
-            what=f"{who}, field {field!r}",
-            error=HookError,
-            hint="A replacement must match the original cotangent exactly; cast it yourself if you mean to.",
-        )
+        hint = _EXACT.replace("cotangent", "tangent") if fwd else _EXACT
+        check_like(expected, got, what=f"{who}, field {field!r}", error=HookError, hint=hint)
     return new
+
+
+def run_tangent(rec: Tangents, hooks: Sequence[Callable]) -> Tangents:
+    """Applies forward-mode (tangent) hooks in order and returns the final record.
+
+    A tangent hook is ``rec -> None | Tangents`` (or ``vk.on_host(fn)``); only
+    ``tangent_output`` can be replaced, checked by ``validate`` as reverse-mode replacements are.
+    """
+    for hook in hooks:
+        if not callable(hook):  # a vk.HookTransform: reverse mode only
+            raise ConfigError(
+                f"layer {rec.name!r} (call {rec.call}): {type(hook).__name__} is not a tangent hook. "
+                "Tangent hooks are functions rec -> None | Tangents, or vk.on_host(fn)."
+            )
+        with _context.activate(None):  # hooks may call layers; those are plain calls
+            out = hook(rec)
+        rec = validate(rec, out, hook, "tangent")
+    return rec
 
 
 def run(

@@ -8,9 +8,14 @@ active scope is a ``TangentScope`` (inside ``vk.jvp``, ``vk.linearize`` and
   (``symbolic_zeros=True``), so nothing is pushed forward for inputs that carry no tangent;
   their ``tangent_input`` / ``tangent_params`` leaves are ``None`` (the whole field is ``None``
   when no leaf has a tangent), as ``grad_input`` is ``None`` in a ``Cotangents``;
-* builds the record, runs the hooks in order, and returns ``tangent_output`` (possibly replaced)
-  as the call's output tangent. Only ``tangent_output`` can be replaced, with exactly its
-  structure, shapes and dtypes; anything else raises ``HookError`` at trace time.
+* builds the record and hands it to the scope's handler (``handler.after(site, rec, None,
+  {})``, the engine's ``Handler`` type; ``_engine.tangent_hooks()`` runs the call's tangent
+  hooks in order), and returns the handler's ``tangent_output`` (possibly replaced) as the
+  call's output tangent. Only ``tangent_output`` can be replaced, with exactly its structure,
+  shapes and dtypes (``_hooks.validate``); anything else raises ``HookError`` at trace time.
+
+Like the reverse-mode rule (``_engine._rule``), this module imports no hook, capture or host
+module: the policy lives in the handler.
 
 A layer call that no tangent reaches (all tangents zero) is a plain call and fires no hook.
 Keyword arguments that are arrays (a dropout key) are passed through the rule with a zero
@@ -20,18 +25,28 @@ tangent; all other keyword arguments are static.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 from jax.custom_derivatives import SymbolicZero
 
-from . import _context
-from ._check import check_like
-from ._errors import ConfigError, HookError
-from ._hooks import hook_name
 from ._records import Tangents
 from ._trees import merge, scatter, select, split_kwargs
+
+
+class TangentSite(NamedTuple):
+    """The forward-mode counterpart of the engine's ``Site``, as handed to a handler.
+
+    Attributes:
+        name: the layer's name.
+        call: its call index.
+        hooks: the hooks matching this call.
+    """
+
+    name: str
+    call: int
+    hooks: tuple
 
 
 class TangentScope:
@@ -39,13 +54,16 @@ class TangentScope:
 
     Attributes:
         config: the hook configuration (``vjpkit._context.Config``).
+        handler: what each call's ``Tangents`` record is handed to (an engine ``Handler``
+            with ``after``).
         names: layer names called so far, in forward order (for ``check_matched``).
     """
 
     mode = "jvp"
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, handler: Any):
         self.config = config
+        self.handler = handler
         self.token = config.token
         self.names: list[str] = []
 
@@ -61,49 +79,6 @@ class TangentScope:
 
 def _is_zero(t: Any) -> bool:
     return isinstance(t, SymbolicZero)
-
-
-def _replacement(rec: Tangents, new: Any, hook: Callable) -> Tangents:
-    who = f"tangent hook {hook_name(hook)} on layer {rec.name!r} (call {rec.call})"
-    if not isinstance(new, Tangents):
-        raise HookError(
-            f"{who} returned {type(new).__name__}, not a Tangents record. A tangent hook returns "
-            "None to observe, or rec.replace(tangent_output=...) to rewrite the output tangent."
-        )
-    if (new.name, new.call) != (rec.name, rec.call):
-        raise HookError(
-            f"{who} returned the record of layer {new.name!r} (call {new.call}). "
-            "Return the record you were given, changed with rec.replace(tangent_output=...)."
-        )
-    for field in ("params", "input", "output", "tangent_input", "tangent_params"):
-        if getattr(new, field) is not getattr(rec, field):
-            raise HookError(
-                f"{who} changed field {field!r}, which is read-only. Only tangent_output can be "
-                "replaced: it is what the layers above receive."
-            )
-    if new.tangent_output is not rec.tangent_output:
-        check_like(
-            rec.tangent_output,
-            new.tangent_output,
-            what=f"{who}, field 'tangent_output'",
-            error=HookError,
-            hint="A replacement must match the original tangent exactly; cast it yourself if you mean to.",
-        )
-    return new
-
-
-def _apply_hooks(rec: Tangents, hooks: Sequence[Callable]) -> Tangents:
-    for hook in hooks:
-        if not callable(hook):  # a vk.HookTransform: reverse mode only
-            raise ConfigError(
-                f"layer {rec.name!r} (call {rec.call}): {type(hook).__name__} is not a tangent hook. Tangent "
-                "hooks are functions rec -> None | Tangents, or vk.on_host(fn)."
-            )
-        with _context.activate(None):  # hooks may call layers; those are plain calls
-            out = hook(rec)
-        if out is not None:
-            rec = _replacement(rec, out, hook)
-    return rec
 
 
 def hooked_call(
@@ -157,7 +132,7 @@ def hooked_call(
             tangent_params=scatter(p_def, p_mask, select(tp_leaves, p_mask), collapse=True),
             tangent_output=ty,
         )
-        rec = _apply_hooks(rec, hooks)
+        rec, _ = scope.handler.after(TangentSite(name, index, tuple(hooks)), rec, None, {})
         return y, rec.tangent_output
 
     rule.defjvp(jvp, symbolic_zeros=True)

@@ -3,14 +3,15 @@
 Contract: the facade every transform (``_autodiff``, ``_explicit``) and inspect tool uses; they
 import nothing else from the engine. Rooms, dependencies pointing down:
 
-* ``_driver``: ``configure``, ``trace``, ``linearize``, ``init_hook_state`` (the one driver),
+* ``_driver``: ``configure``, ``trace``, ``replan``, ``linearize``, ``init_hook_state`` (the one driver),
   ``require_unsharded`` (for tools that need the whole batch's records);
 * ``_plan`` (names, active calls, shapes) and ``_run`` (evaluation), both walking equations by
   ``_rules`` (one table keyed by primitive, planning and evaluation side by side; its
   ``sub_programs`` and ``call_program`` find the programs every other walker descends into);
 * ``_site``: sites as spans of the program with a layout, found by site sources;
 * ``_rule``: the custom_vjp rule, which builds the record and hands it to a handler;
-* ``_handlers``: the policy (hooks, capture, host, explain log), composed with ``chain``;
+* ``_handlers``: the policy (hooks, capture, host, explain log; ``tangent_hooks`` for forward
+  mode's rule, ``vjpkit._jvp_rule``), composed with ``chain``;
 * ``_slots`` / ``_carry``: probes, captured records and hook state out of the backward pass.
 
 See ``docs/architecture.md``.
@@ -20,10 +21,12 @@ from ._driver import Traced as Traced
 from ._driver import configure as configure
 from ._driver import init_hook_state as init_hook_state
 from ._driver import linearize as linearize
+from ._driver import replan as replan
 from ._driver import require_unsharded as require_unsharded
 from ._driver import trace as trace
 from ._handlers import Handler as Handler
 from ._handlers import chain as chain
+from ._handlers import tangent_hooks as tangent_hooks
 from ._plan import Plan as Plan
 from ._plan import Scanned as Scanned
 from ._plan import Site as Site
@@ -55,7 +58,9 @@ __all__ = [
     "linearize",
     "registered_rule",
     "registered_source",
+    "replan",
     "require_unsharded",
     "sub_programs",
+    "tangent_hooks",
     "trace",
 ]

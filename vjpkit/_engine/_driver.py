@@ -14,6 +14,7 @@ outside the engine builds a configuration or a trace itself.
   hook state)`` with one gradient per differentiated argument; the host deliveries of the
   backward pass (``vk.on_host`` hooks, then capture ``host=``) are chained and tied ONCE to
   everything it returns.
+* ``replan(traced, config)``: the same program planned for another configuration.
 * ``init_hook_state(traced)`` gives the initial ``HookState`` of the configuration.
 """
 
@@ -147,6 +148,19 @@ def trace(
     if check:
         config.check_matched(plan.names)
     return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)), other)
+
+
+def replan(traced: Traced, config: _context.Config) -> Traced:
+    """The same traced program planned for another configuration (no new trace).
+
+    A transform that pulls one program with different handlers per backward pass (curvature
+    statistics beside hooks: the hooks run in the gradient's pass only) linearizes each plan
+    once; each pull traces its own backward pass, so no handler decision is shared through
+    JAX's caches of transposed programs.
+    """
+    plan = Plan(config, traced.closed.jaxpr, [True] * len(traced.leaves), _handlers.default())
+    config.check_matched(plan.names)
+    return dataclasses.replace(traced, plan=plan)
 
 
 def _as_under_jit(marked: Callable, leaves: list) -> tuple | None:

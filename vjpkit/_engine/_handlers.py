@@ -12,7 +12,9 @@ none of the modules used here; a new consumer of records is one more handler in 
   their state, and puts the records the ``vk.on_host`` hooks saw into the ``"host"`` part;
 * ``capture()``: puts the captured record (``vk.capture``) into the ``"captured"`` part and
   marks the call as run (``"ran"``);
-* ``log(keys)``: appends each call's key when its backward pass runs (``vk.explain``).
+* ``log(keys)``: appends each call's key when its backward pass runs (``vk.explain``);
+* ``tangent_hooks()``: forward mode (``vjpkit._jvp_rule``): runs the call's tangent hooks on
+  its ``Tangents`` record (``after`` only; no state, no probe parts).
 """
 
 from __future__ import annotations
@@ -132,6 +134,15 @@ def log(keys: list) -> Handler:
     def after(site, rec, state, parts):
         keys.append(site.key)
         return rec, state
+
+    return Handler(after=after)
+
+
+def tangent_hooks() -> Handler:
+    """Forward mode: the call's tangent hooks, in order, on its ``Tangents`` record."""
+
+    def after(site, rec, state, parts):
+        return _hooks.run_tangent(rec, site.hooks), state
 
     return Handler(after=after)
 

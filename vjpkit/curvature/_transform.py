@@ -12,7 +12,12 @@ stacked records). The result is the transform's usual ``(result, captured)``, wi
 ``captured[name]`` a ``LayerCurvature`` for each chosen layer with parameters, and the records
 of any other capture spec beside them.
 
-Hooks are not allowed beside curvature statistics: the curvature passes would run them again.
+With ``hooks=``, the same program is planned a second time with the hooks (and any other
+capture spec) and pulled once, seeded ``(1, 0)``: that pass gives the returned gradient, the
+other records, the host deliveries and the new hook state, so each hook runs once per call.
+Every statistic comes from the passes without hooks: the statistics describe the loss, and
+hooks change only the gradient returned. Each linearization traces its own backward passes,
+so no hook decision is shared through JAX's caches of transposed programs.
 """
 
 from __future__ import annotations
@@ -66,22 +71,21 @@ def transform(
 ) -> Callable:
     """The curvature transform (see the module contract)."""
     specs, others = _split(capture, name)
-    if hooks:
-        raise ConfigError(
-            f"{name}: hooks= cannot be combined with vk.curvature.stats: the curvature backward "
-            "passes would run the hooks again. Compute the statistics in a separate transform."
-        )
     for spec in others:
         if spec.host is not None:
             raise ConfigError(f"{name}: capture host= cannot be combined with vk.curvature.stats.")
     globs = tuple(dict.fromkeys(g for s in specs for g in s.layers))
     raw = CaptureSpec(globs, ("params", "input", "grad_output", "grad_params"), None)
-    config = _engine.configure(None, (raw, *others), name, match)
+    # with hooks, the gradient's pass has its own plan (hooks + the other specs), pulled once
+    with_hooks = _engine.configure(hooks, others, name, match) if hooks else None
+    config = _engine.configure(None, (raw,) if hooks else (raw, *others), name, match)
     checked = _autodiff._scalar_loss(fun, has_aux, name)
 
     loss_takes_key = _takes_key(fun)
 
-    def run(*args, **kwargs):
+    def run(*args, hook_state=None, **kwargs):
+        if hook_state is not None and with_hooks is None:
+            raise ConfigError(f"{name}: hook_state= was given, but the transform has no hooks=.")
         key = kwargs.get("key")
         if key is not None and not loss_takes_key:
             kwargs = {k: v for k, v in kwargs.items() if k != "key"}
@@ -134,7 +138,13 @@ def transform(
         (value, output), (aux, target), pull = _engine.linearize(traced)
         mark = _losses.Mark(kinds[0], output, target)
         zero = jnp.zeros_like(value)
-        grads, captured, _ = pull([jnp.ones_like(value), jnp.zeros_like(output)])
+        seed = [jnp.ones_like(value), jnp.zeros_like(output)]
+        grads, captured, new_state = pull(seed)
+        if with_hooks is not None:  # the returned gradient, the other records and the hooks' state
+            hooked = _engine.replan(traced, with_hooks)
+            grads, hooked_captured, new_state = _engine.linearize(hooked, hook_state)[2](seed)
+        else:
+            hooked_captured = captured
 
         def pulled(seeds, with_grads=False):
             if with_grads:  # also the parameters' gradients of each seeded pass
@@ -144,11 +154,15 @@ def transform(
         n = output.shape[0]
         paths = _leaf_paths([args[i] for i in nums], nums)
         result_captured, chosen, rules = {}, {}, {}
+        for k, rec in hooked_captured.items():  # the other specs' records (after the hooks)
+            if with_hooks is not None or traced.plan.by_key[k].spec is not raw:
+                result_captured[k] = rec
         for k, rec in captured.items():  # the rules first: they say which leaves no layer reads
             site = traced.plan.by_key[k]
             spec = next((s for s in specs if matches_any(site.name, site.call, s.layers)), None)
             if spec is None or site.spec is not raw:
-                result_captured[k] = rec
+                if spec is None and site.spec is raw:
+                    result_captured[k] = rec
                 continue
             if not jax.tree.leaves(rec.params) or traced.plan.contains_calls(site):
                 continue  # no parameters, or a container (its layers have their own statistics)
@@ -186,8 +200,9 @@ def transform(
             result = ((value, aux), user_grads) if has_aux else (value, user_grads)
         else:
             result = (user_grads, aux) if has_aux else user_grads
-        return result, result_captured
+        return (result, result_captured, new_state) if hook_state is not None else (result, result_captured)
 
+    run.hook_config = with_hooks  # for vk.init_hook_state
     return run
 
 
