@@ -86,15 +86,12 @@ def _argnums(argnums: Any, nargs: int, transform: str) -> tuple[int, ...]:
     return tuple(i % nargs for i in nums)
 
 
-# capture specs that bring their own transform (vk.curvature.stats): spec type -> transform
-# ``(name, fun, argnums, has_aux, hooks, capture, match, with_value) -> function``, registered by
-# the package that defines the spec (it sits above this module).
-PROGRAM_CAPTURES: dict[type, Callable] = {}
-
-
 def _program_capture(capture: Any) -> Callable | None:
-    found = (PROGRAM_CAPTURES[type(c)] for c in _capture.items(capture) if type(c) in PROGRAM_CAPTURES)
-    return next(found, None)
+    """The program of a capture spec that brings its own (``vk.curvature.stats``: its
+    ``program`` field), a transform ``(name, fun, argnums, has_aux, hooks, capture, match,
+    with_value) -> function``; ``None`` when no spec does. Nothing is registered at import."""
+    found = (getattr(c, "program", None) for c in _capture.items(capture))
+    return next((p for p in found if callable(p)), None)
 
 
 def _transform(

@@ -7,7 +7,6 @@ Examples:
     >>> A, G = captured["fc1"].kflr
 """
 
-from .. import _autodiff
 from ._blocks import Block as Block
 from ._blocks import BlockState as BlockState
 from ._blocks import EkfacBasis as EkfacBasis
@@ -21,17 +20,14 @@ from ._kfac import kfac as kfac
 from ._losses import mse as mse
 from ._losses import sigmoid_binary_cross_entropy as sigmoid_binary_cross_entropy
 from ._losses import softmax_cross_entropy as softmax_cross_entropy
+from ._spec import stats as stats
 from ._stats import STATISTICS as STATISTICS
 from ._stats import StatsSpec as StatsSpec
-from ._stats import stats as stats
-from ._transform import transform as _transform
 from ._types import Diagonal as Diagonal
 from ._types import Ekfac as Ekfac
 from ._types import Factors as Factors
 from ._types import LayerCurvature as LayerCurvature
 from ._types import Layout as Layout
-
-_autodiff.PROGRAM_CAPTURES[StatsSpec] = _transform
 
 __all__ = [
     "STATISTICS",
