@@ -16,7 +16,9 @@ from ._blocks import ekfac as ekfac_block
 from ._blocks import ekfac_scaling as ekfac_scaling
 from ._blocks import kronecker as kronecker_block
 from ._kfac import KfacState as KfacState
+from ._kfac import ScaleByKfacState as ScaleByKfacState
 from ._kfac import kfac as kfac
+from ._kfac import scale_by_kfac as scale_by_kfac
 from ._losses import mse as mse
 from ._losses import sigmoid_binary_cross_entropy as sigmoid_binary_cross_entropy
 from ._losses import softmax_cross_entropy as softmax_cross_entropy
@@ -41,6 +43,7 @@ __all__ = [
     "KfacState",
     "LayerCurvature",
     "Layout",
+    "ScaleByKfacState",
     "StatsSpec",
     "diagonal_block",
     "ekfac_block",
@@ -48,6 +51,7 @@ __all__ = [
     "kfac",
     "kronecker_block",
     "mse",
+    "scale_by_kfac",
     "sigmoid_binary_cross_entropy",
     "softmax_cross_entropy",
     "stats",

@@ -1,6 +1,7 @@
 """A K-FAC preconditioner as an optax transformation, fed by ``vk.curvature.stats``' factors.
 
-Contract. ``kfac(learning_rate, like=...)`` returns an ``optax.GradientTransformationExtraArgs``
+Contract. ``kfac(learning_rate, like=...)`` (and ``scale_by_kfac(like=...)``, its direction
+without momentum and learning rate) returns an ``optax.GradientTransformationExtraArgs``
 whose ``update(updates, state, params=None, *, curvature)`` takes the step's curvature dict
 (``{layer call name: LayerCurvature}``, as one ``vk.curvature.stats`` capture returns it). It
 computes nothing from the model: the factors are given, the optimizer only averages, damps,
@@ -48,6 +49,11 @@ inverts and applies them.
 * Output ``-learning_rate * optax.trace(momentum)(direction)``, the direction being the
   preconditioned gradient on covered leaves and the gradient elsewhere (momentum and learning
   rate are optax's ``trace`` and ``scale_by_learning_rate``).
+* Pieces. ``scale_by_kfac`` is everything above but the tail: statistics, refresh and
+  preconditioning, returning the direction. ``kfac`` is it followed by the tail, as
+  ``optax.chain`` would compose them, with the two states flattened into one ``KfacState``.
+  The statistics and the preconditioning stay one transformation: both read the blocks' EMA,
+  and optax's members share no state.
 
 Computations run in the factors' dtype promoted to at least float32; outputs take each leaf's
 dtype. This module imports only ``vjpkit._errors`` and ``vjpkit.curvature._blocks`` /
@@ -71,14 +77,28 @@ from vjpkit._errors import ConfigError
 from vjpkit.curvature._blocks import Block, BlockState, diagonal, ekfac, kronecker, per_slice, side_diagonal
 from vjpkit.curvature._types import Diagonal, Ekfac, Factors, LayerCurvature, Layout, stats_dtype
 
-__all__ = ["KfacState", "kfac"]
+__all__ = ["KfacState", "ScaleByKfacState", "kfac", "scale_by_kfac"]
 
 _ESTIMATORS = ("kfac", "kflr", "kfac_empirical", "ekfac")
 _SOLVERS = ("inverse", "eigh")
 
 
+class ScaleByKfacState(NamedTuple):
+    """The state of ``scale_by_kfac``: ``KfacState`` without the tail's.
+
+    Attributes:
+        count: the number of updates done (int32 scalar).
+        factors: the EMA statistics per preconditioned block, keyed by its first layer name.
+        inverses: per block, what its refresh cached (see ``KfacState``).
+    """
+
+    count: jax.Array
+    factors: dict[str, Any]
+    inverses: dict[str, Any]
+
+
 class KfacState(NamedTuple):
-    """The state of ``kfac``.
+    """The state of ``kfac``: ``scale_by_kfac``'s fields and the tail's state (``inner``).
 
     Attributes:
         count: the number of updates done (int32 scalar).
@@ -455,6 +475,58 @@ def kfac(
         >>> updates, state = opt.update(grads, state, params, curvature=curvature)
         >>> params = optax.apply_updates(params, updates)
     """
+    inner = scale_by_kfac(
+        like=like, estimator=estimator, damping=damping, decay=decay, update_every=update_every,
+        solver=solver, pi_damping=pi_damping, axis_name=axis_name,
+    )  # fmt: skip
+    tail = optax.chain(
+        optax.trace(decay=momentum) if momentum is not None else optax.identity(),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+    def init_fn(params: Any) -> KfacState:
+        return KfacState(*inner.init(params), tail.init(params))
+
+    def update_fn(
+        updates: Any,
+        state: KfacState,
+        params: Any = None,
+        *,
+        curvature: Mapping[str, LayerCurvature] | None = None,
+        **extra_args: Any,
+    ) -> tuple[Any, KfacState]:
+        del extra_args  # other members' extra arguments under optax.chain
+        own = ScaleByKfacState(state.count, state.factors, state.inverses)
+        direction, own = inner.update(updates, own, params, curvature=curvature)
+        out, tail_state = tail.update(direction, state.inner, params)
+        return out, KfacState(*own, tail_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def scale_by_kfac(
+    *,
+    like: Mapping[str, LayerCurvature],
+    estimator: str = "kfac",
+    damping: float = 1e-3,
+    decay: float = 0.95,
+    update_every: int = 1,
+    solver: str | None = None,
+    pi_damping: bool = True,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The blocks' statistics and preconditioning alone: ``kfac`` without momentum and
+    learning rate, for any optax tail (``scale_by_adam``'s naming: the direction, not the step).
+
+    ``kfac(lr, momentum=m, ...)`` is ``scale_by_kfac(...)`` followed by ``optax.trace(m)`` and
+    ``optax.scale_by_learning_rate(lr)``. The arguments are ``kfac``'s; the state is a
+    ``ScaleByKfacState(count, factors, inverses)``. ``vk.train.make_step`` / ``fit`` find it
+    inside any chain and pass it the statistics as they do ``kfac``.
+
+    Examples:
+        >>> opt = optax.chain(vk.curvature.scale_by_kfac(like=like, damping=1e-2), optax.adam(1e-3))
+        >>> updates, state = opt.update(grads, state, params, curvature=curvature)
+    """
     if estimator not in _ESTIMATORS:
         raise ConfigError(f"kfac: estimator={estimator!r}; use one of {_ESTIMATORS}.")
     if solver is None:
@@ -486,17 +558,13 @@ def kfac(
         )
     plan = _plan(like, estimator)
     built: dict[tuple, list] = {}  # the blocks per leaf shapes (init and every update trace)
-    tail = optax.chain(
-        optax.trace(decay=momentum) if momentum is not None else optax.identity(),
-        optax.scale_by_learning_rate(learning_rate),
-    )
     warned: set[str] = set()
 
     def warn(messages) -> None:
         for message in messages:
             if message not in warned:
                 warned.add(message)
-                warnings.warn(message, UserWarning, stacklevel=4)
+                warnings.warn(message, UserWarning, stacklevel=5)
 
     def blocks_for(tree: Any, what: str) -> tuple[list, dict, list, Any]:
         """The blocks for ``tree``'s leaves, its leaf index, leaves and treedef."""
@@ -531,15 +599,14 @@ def kfac(
             "gradients)."
         ]
 
-    def init_fn(params: Any) -> KfacState:
+    def init_fn(params: Any) -> ScaleByKfacState:
         blocks, index, _, _ = blocks_for(params, "params")
         warn([*plan.warnings, *uncovered(index)])
         states = {b.key: b.block.init() for b in blocks}
-        return KfacState(
+        return ScaleByKfacState(
             jnp.asarray(np.zeros((), np.int32)),
             {k: st.stats for k, st in states.items()},
             {k: st.cache for k, st in states.items()},
-            tail.init(params),
         )
 
     def step_stats(blocks: list, curvature: Mapping[str, LayerCurvature]) -> dict[str, Any]:
@@ -564,13 +631,13 @@ def kfac(
 
     def update_fn(
         updates: Any,
-        state: KfacState,
+        state: ScaleByKfacState,
         params: Any = None,
         *,
         curvature: Mapping[str, LayerCurvature] | None = None,
         **extra_args: Any,
-    ) -> tuple[Any, KfacState]:
-        del extra_args  # other members' extra arguments under optax.chain
+    ) -> tuple[Any, ScaleByKfacState]:
+        del params, extra_args  # other members' extra arguments under optax.chain
         blocks, index, leaves, treedef = blocks_for(updates, "the updates")
         warn([*plan.warnings, *uncovered(index)])
         states = {b.key: BlockState(state.factors[b.key], state.inverses[b.key]) for b in blocks}
@@ -603,9 +670,8 @@ def kfac(
             ):
                 direction[i] = p
         direction = jax.tree_util.tree_unflatten(treedef, direction)
-        out, inner = tail.update(direction, state.inner, params)
         factors = {k: st.stats for k, st in states.items()}
         inverses = {k: st.cache for k, st in states.items()}
-        return out, KfacState(optax.safe_increment(state.count), factors, inverses, inner)
+        return direction, ScaleByKfacState(optax.safe_increment(state.count), factors, inverses)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

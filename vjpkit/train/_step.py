@@ -23,7 +23,7 @@ from jax import lax
 
 from .. import _autodiff, _capture, _host
 from .._errors import ConfigError
-from ..curvature import KfacState, StatsSpec
+from ..curvature import KfacState, ScaleByKfacState, StatsSpec
 from ._state import TrainState, keep_types
 
 NAN_POLICIES = ("stop", "continue", "off")
@@ -59,7 +59,7 @@ def _curvature_specs(capture: Any) -> list:
 
 
 def _is_kfac(x: Any) -> bool:
-    return isinstance(x, KfacState)
+    return isinstance(x, (KfacState, ScaleByKfacState))
 
 
 def _check_curvature_every(every: Any, capture: Any, curvature: list) -> None:
