@@ -35,10 +35,15 @@ Usage: ``python benchmarks/curvature_race.py [--quick] [--steps 300] [--problems
 
 from __future__ import annotations
 
+import os
+
+# K-FAC's refresh (inverses, eigh) calls LAPACK through scipy's OpenBLAS, whose threads contend with
+# XLA's on CPU: one thread each (before jax loads it), docs/performance.md "LAPACK threads"
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import argparse
 import json
 import math
-import os
 import pathlib
 import random
 import sys

@@ -33,6 +33,12 @@ Modes:
 
 from __future__ import annotations
 
+import os
+
+# K-FAC's refresh (inverses, eigh) calls LAPACK through scipy's OpenBLAS, whose threads contend with
+# XLA's on CPU: one thread each (before jax loads it), as vjpkit's side (docs/performance.md)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import argparse
 import json
 import random

@@ -23,6 +23,8 @@
   computation, after ``pytest_configure``): its run is mostly XLA compiling, and LLVM's
   optimisations are a fifth of it. The HLO passes (fusion, simplification) are unchanged, so the
   programs are the same up to instruction selection; the full tier compiles with the defaults.
+* **LAPACK threads.** ``OPENBLAS_NUM_THREADS=1`` unless set (before jax loads scipy's OpenBLAS,
+  which its CPU LAPACK calls use): OpenBLAS's threads spin against XLA's and the other worker's.
 * **CPU time per file.** ``--cpu-report N`` prints the N test files that took the most CPU time
   (the worker's, XLA's compiler threads included, plus the subprocesses a test ran and waited
   for) and wall time, summed over their tests' setup, call and teardown.
@@ -34,6 +36,10 @@ import collections
 import os
 import shutil
 import tempfile
+
+# LAPACK (K-FAC's inverses, eigh) runs on scipy's OpenBLAS, whose threads contend with XLA's and
+# the other worker's: a refresh took 10-20x longer (docs/performance.md, "LAPACK threads")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax
 import pytest
