@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 
 # K-FAC's refresh (inverses, eigh) calls LAPACK through scipy's OpenBLAS, whose threads contend with
-# XLA's on CPU: one thread each (before jax loads it), docs/performance.md "LAPACK threads"
+# XLA's on CPU: one thread each (before jax loads it), docs/curvature.md, "LAPACK threads"
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse

@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 
 # K-FAC's refresh (inverses, eigh) calls LAPACK through scipy's OpenBLAS, whose threads contend with
-# XLA's on CPU: one thread each (before jax loads it), as vjpkit's side (docs/performance.md)
+# XLA's on CPU: one thread each (before jax loads it), as vjpkit's side (docs/curvature.md)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse

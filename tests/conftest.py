@@ -38,7 +38,7 @@ import shutil
 import tempfile
 
 # LAPACK (K-FAC's inverses, eigh) runs on scipy's OpenBLAS, whose threads contend with XLA's and
-# the other worker's: a refresh took 10-20x longer (docs/performance.md, "LAPACK threads")
+# the other worker's: a refresh took 10-20x longer (docs/curvature.md, "LAPACK threads")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax

@@ -67,6 +67,27 @@ def test_statistics_every_n_steps_equal_the_hand_loop(every):
     tree_allclose(state.params, p, rtol=1e-4, atol=1e-6)
 
 
+def test_jitted_step_runs_the_branch_the_cond_would_take():
+    """``make_step(jit=True)`` with ``curvature_every`` runs one of two programs, chosen on the
+    host by K-FAC's count (XLA:CPU compiles convolutions in a ``lax.cond`` slowly); it equals the
+    traceable step's ``lax.cond`` under ``jax.jit`` step for step, NaN records included."""
+    loss_fn, params, batch = _problem()
+    spec = vk.curvature.stats("*", ["kfac"])
+    grad_fn = vk.value_and_grad(loss_fn, capture=spec)
+    like = jax.eval_shape(lambda p: grad_fn(p, batch, key=jax.random.key(0))[1], params)
+    opt = vk.curvature.kfac(0.1, like=like, damping=0.1, update_every=2)
+    hosted = vk.train.make_step(loss_fn, opt, capture=spec, curvature_every=3)
+    in_cond = jax.jit(vk.train.make_step(loss_fn, opt, capture=spec, curvature_every=3, jit=False))
+    a = vk.train.TrainState.create(params, opt, seed=5)
+    b = vk.train.TrainState.create(params, opt, seed=5)
+    for t in range(7):
+        a, got = hosted(a, batch)
+        b, want = in_cond(b, batch)
+        assert np.isnan(jax.tree.leaves(got["captured"])[0]).all() == (t % 3 != 0)
+        tree_allclose(got, want, rtol=1e-5, atol=1e-7)  # NaN where both are NaN
+    tree_allclose(a.params, b.params, rtol=1e-5, atol=1e-7)
+
+
 def test_curvature_every_needs_statistics_only_and_a_taker():
     loss_fn, params, batch = _problem()
     spec = vk.curvature.stats("*", ["kfac"])

@@ -11,6 +11,7 @@ through ``state.hook_state`` when the hooks keep any. Everything is checked at t
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from jax import lax
 
 from .. import _autodiff, _capture, _host
 from .._errors import ConfigError
+from .._trees import is_traced
 from ..curvature import KfacState, ScaleByKfacState, StatsSpec
 from ._state import TrainState, keep_types
 
@@ -60,6 +62,11 @@ def _curvature_specs(capture: Any) -> list:
 
 def _is_kfac(x: Any) -> bool:
     return isinstance(x, (KfacState, ScaleByKfacState))
+
+
+def _kfac_states(state: TrainState) -> list:
+    """The K-FAC states inside the optimizer state (a ``kfac`` or ``scale_by_kfac`` anywhere)."""
+    return [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac) if _is_kfac(x)]
 
 
 def _check_curvature_every(every: Any, capture: Any, curvature: list) -> None:
@@ -105,7 +112,9 @@ def make_step(
             and training goes on; ``"off"``: nothing is checked.
         curvature_every: with ``capture=`` holding only ``vk.curvature.stats`` specs, compute the
             statistics only on the steps where K-FAC's update count is a multiple of
-            ``curvature_every`` (``lax.cond``; its first update always has them); the other steps
+            ``curvature_every`` (its first update always has them; jitted, two programs chosen on
+            the host by that count, one scalar read per step; with ``jit=False``, a ``lax.cond``,
+            whose branches XLA:CPU compiles slowly for convolutions); the other steps
             take a plain gradient and ``optimizer.update(..., curvature=None)`` (K-FAC keeps its
             EMA and cached inverses), and their ``metrics["captured"]`` is NaN. K-FAC refreshes
             its inverses on a step with statistics whose count is a multiple of its
@@ -121,7 +130,28 @@ def make_step(
     """
     options = dict(hooks=hooks, capture=capture, nan_policy=nan_policy, curvature_every=curvature_every)
     step = build_step(loss_fn, optimizer, **options)
-    return jax.jit(step, donate_argnums=0) if jit else step
+    if not jit:
+        return step
+    compiled = jax.jit(step, donate_argnums=0)
+    if curvature_every == 1:
+        return compiled
+    # XLA:CPU compiles the convolutions inside lax.cond's branches without canonicalising their
+    # layouts (jax#12868): a CNN's step in the cond measured 13x the same step outside it. So the
+    # jitted step is two programs, chosen on the host by K-FAC's update count (one scalar read).
+    phases = {
+        phase: jax.jit(build_step(loss_fn, optimizer, **options, phase=phase), donate_argnums=0)
+        for phase in ("stats", "plain")
+    }
+
+    @functools.wraps(compiled)
+    def dispatched(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        kfacs = _kfac_states(state)
+        if not kfacs or is_traced((state, batch)):  # traced (or an error to raise): the cond
+            return compiled(state, batch)
+        due = int(jax.device_get(kfacs[0].count)) % curvature_every == 0
+        return phases["stats" if due else "plain"](state, batch)
+
+    return dispatched
 
 
 def build_step(
@@ -133,9 +163,12 @@ def build_step(
     nan_policy: str = "stop",
     report_finite: bool = False,
     curvature_every: int = 1,
+    phase: str | None = None,
 ) -> Callable:
     """``make_step``'s traceable step; ``report_finite`` adds ``metrics["finite"]`` (this step's
-    loss and gradients were finite), which ``fit`` reads to record every non-finite step."""
+    loss and gradients were finite), which ``fit`` reads to record every non-finite step.
+    ``phase`` (with ``curvature_every > 1``): ``"stats"`` or ``"plain"``, the one branch of the
+    ``lax.cond`` the caller knows is due (``make_step``'s host dispatch)."""
     optimizer = check_optimizer(optimizer)
     if nan_policy not in NAN_POLICIES:
         raise ConfigError(f"nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}.")
@@ -153,7 +186,7 @@ def build_step(
     plain = _autodiff.value_and_grad(loss_fn, hooks=hooks) if curvature_every > 1 else None
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        kfacs = [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac) if _is_kfac(x)]
+        kfacs = _kfac_states(state)
         if not curvature and kfacs:
             raise ConfigError(
                 "make_step: the optimizer holds vk.curvature.kfac, which preconditions with the "
@@ -212,8 +245,12 @@ def build_step(
 
             # K-FAC's own update count (an optax.MultiSteps or a re-initialised optimizer state
             # counts differently from state.step): its first update always has statistics
-            due = kfacs[0].count % curvature_every == 0
-            loss, grads, captured, hook_state, (updates, opt_state) = lax.cond(due, with_stats, without, None)
+            if phase is None:
+                due = kfacs[0].count % curvature_every == 0
+                branches = lax.cond(due, with_stats, without, None)
+            else:
+                branches = with_stats() if phase == "stats" else without(None)
+            loss, grads, captured, hook_state, (updates, opt_state) = branches
         new = TrainState(
             keep_types(optax.apply_updates(state.params, updates), state.params),
             keep_types(opt_state, state.opt_state),
