@@ -261,9 +261,12 @@ def _plan(like: Mapping[str, LayerCurvature], estimator: str) -> _Plan:
         if not leaves or any(p is None for p in leaves):
             warned.append(
                 f"kfac: layer {name!r} has {estimator} statistics but no leaf path in the params for "
-                f"{'its weight or bias' if isinstance(f, Factors) else 'some of its parameters'} (e.g. a "
-                "value computed in the loss, or carried through a lax.scan); its leaves get the plain "
-                "gradient (SGD direction)."
+                f"{'its weight or bias' if isinstance(f, (Factors, Ekfac)) else 'some of its parameters'} "
+                "(a value computed in the loss or carried through a lax.scan, or a layer inside a "
+                "lax.cond branch, whose statistics are NaN on the steps that take another branch), so "
+                "they are not used. Its leaves get their 'leaf' entries' diagonal blocks where like has "
+                "them (stats with 'kfac' or 'ekfac'); any leaf nothing covers gets the plain gradient "
+                "(SGD direction) and is named in its own warning."
             )
             continue
         dtype = jax.dtypes.canonicalize_dtype(stats_dtype(jax.tree.leaves(f)[0].dtype))
