@@ -103,3 +103,154 @@ def test_plain_jax_layers_inside_an_unknown_call_primitive_are_matched():
     assert sorted(cap) == ["fc1", "fc2"]
     _, want = vk.grad(lambda p, x: jnp.sum(model(p, x) ** 2), capture="*")(params, X)
     tree_allclose(cap, want)
+
+
+# --- nested: every program of an equation, with the operands it receives (issue 31, item 3) --------
+
+custom_jvp_fn = jax.nn.relu  # a custom_jvp function
+
+
+@jax.custom_vjp
+def custom_vjp_fn(x, w):
+    return jnp.sin(x) * w
+
+
+custom_vjp_fn.defvjp(lambda x, w: (custom_vjp_fn(x, w), (x, w)), lambda r, g: (g * r[1], g * r[0]))
+
+
+def _everything(w, x, xs, k):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    a = jax.jit(lambda u, v: jnp.sin(u) * v)(x, w)
+    b = jax.checkpoint(lambda u: jnp.cos(u) * w)(a)
+    (c, n), ys = jax.lax.scan(lambda cn, s: ((cn[0] * w + s, cn[1] + 1), cn[0] * 2.0), (b, 0), xs)
+    d = jax.lax.cond(k > 0, lambda u, v: u * v, lambda u, v: u - v, c, w)
+    e, _ = jax.lax.while_loop(lambda v: v[1] < k, lambda v: (v[0] * w, v[1] + n), (d, 0))
+    f = jax.shard_map(
+        lambda u, v: u * v,
+        mesh=mesh,
+        in_specs=(jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec()),
+        out_specs=jax.sharding.PartitionSpec("d"),
+    )(e, w)
+    (g,) = my_call_p.bind(f, program=jax.make_jaxpr(jnp.tanh)(f))
+    return jnp.sum(custom_vjp_fn(custom_jvp_fn(g), w)) + jnp.sum(ys)
+
+
+ARGS = (jnp.float32(0.5), jnp.ones((4,), jnp.float32), jnp.ones((3, 4), jnp.float32), jnp.int32(2))
+KINDS = {
+    "jit": {"call"},
+    "pjit": {"call"},
+    "checkpoint": {"call"},
+    "remat2": {"call"},
+    "scan": {"scan"},
+    "cond": {"branch"},
+    "while": {"loop"},
+    "shard_map": {"call"},
+    "some_library_call": {"call"},
+    "custom_jvp_call": {"opaque"},
+    "custom_vjp_call": {"opaque"},
+    "custom_vjp_call_jaxpr": {"opaque"},
+}
+
+
+def _slice(aval):
+    return jax.core.ShapedArray(aval.shape[1:], aval.dtype)
+
+
+def test_nested_gives_each_program_the_operands_it_receives():
+    eqns = jax.make_jaxpr(_everything)(*ARGS).jaxpr.eqns
+    seen = set()
+    for eqn in eqns:
+        nest = _engine.nested(eqn)
+        name = eqn.primitive.name
+        # every program in the params is found, in order
+        assert [n.jaxpr for n in nest] == _engine.sub_programs(eqn.params), name
+        if not nest:
+            continue
+        seen.add(name)
+        assert {n.kind for n in nest} == KINDS[name], name
+        for n in nest:
+            assert n.ins is not None and len(n.ins) == len(n.roles) == len(n.jaxpr.invars), name
+            for i, role, var in zip(n.ins, n.roles, n.jaxpr.invars):
+                outer = eqn.invars[i].aval
+                want = _slice(outer) if role == "s" else outer
+                if role == "p":  # split over the one shard here: the same shape
+                    assert var.aval.dtype == outer.dtype, name
+                else:
+                    assert (var.aval.shape, var.aval.dtype) == (want.shape, want.dtype), (name, i, role)
+    assert {"scan", "cond", "while", "shard_map", "some_library_call", "custom_vjp_call"} <= seen
+    assert seen & {"jit", "pjit"} and seen & {"checkpoint", "remat2"} and "custom_jvp_call" in seen
+
+
+def test_nested_roles_of_scan_while_and_shard_map():
+    jaxpr = jax.make_jaxpr(_everything)(*ARGS).jaxpr
+    eqns = {e.primitive.name: e for e in jaxpr.eqns}
+    (scan,) = _engine.nested(eqns["scan"])
+    assert scan.roles == "c" + "rr" + "s"  # w closed over; (c, n) carried; xs sliced
+    assert scan.ins == (0, 1, 2, 3)
+    cond_, body = _engine.nested(eqns["while"])
+    w, k, n = jaxpr.invars[0], jaxpr.invars[3], eqns["scan"].outvars[1]
+    ops = eqns["while"].invars
+    # the condition reads k, the body w and n (its consts); each gets the carry (two values)
+    assert [ops[i] for i, r in zip(cond_.ins, cond_.roles) if r == "c"] == [k]
+    assert [ops[i] for i, r in zip(body.ins, body.roles) if r == "c"] == [w, n]
+    assert cond_.roles.endswith("rr") and body.roles.endswith("rr")
+    assert cond_.ins[-2:] == body.ins[-2:] == (len(ops) - 2, len(ops) - 1)
+    (shard,) = _engine.nested(eqns["shard_map"])
+    assert shard.roles == "p="
+    branches = _engine.nested(eqns["cond"])
+    assert [b.index for b in branches] == [0, 1] and all(b.ins == (1, 2) for b in branches)
+
+
+def test_with_programs_replaces_one_branch():
+    eqns = {e.primitive.name: e for e in jax.make_jaxpr(_everything)(*ARGS).jaxpr.eqns}
+    eqn = eqns["cond"]
+    b0, b1 = _engine.nested(eqn)
+    assert _engine.with_programs(eqn, {b1: b1.program}) is eqn  # nothing new: the same equation
+    new = _engine.with_programs(eqn, {b1: b0.program})
+    assert new.params["branches"] == (b0.program, b0.program)
+    assert eqn.params["branches"] == (b0.program, b1.program)  # the old equation unchanged
+    u, v = jnp.arange(4.0, dtype=jnp.float32), jnp.float32(2.0)
+    for k in (0, 1):  # either index now runs branch 0
+        (out,) = new.primitive.bind(jnp.int32(k), u, v, **new.params)
+        np.testing.assert_allclose(out, u - v)  # branch 0: cond's false branch
+
+
+def test_no_walker_reads_program_structure_by_primitive_name():
+    """Outside ``_engine/_rules.py`` (and ``_compat``, which reads scan params for every JAX),
+    no module compares a primitive's name with one that holds programs, reads a program or
+    its operand counts out of ``params``, or splits a scan itself: they ask ``nested``."""
+    import ast
+    import pathlib
+
+    names = set(KINDS) | {"closed_call", "core_call", "while"}
+    keys = {"jaxpr", "branches", "cond_jaxpr", "body_jaxpr", "call_jaxpr", "fun_jaxpr"}
+    keys |= {"num_consts", "num_carry", "ft_in", "cond_nconsts", "body_nconsts"}
+    root = pathlib.Path(vk.__file__).parent
+    found = []
+
+    def by_name(c):
+        return "primitive.name" in ast.unparse(c) or (isinstance(c, ast.Name) and c.id in ("name", "prim"))
+
+    def items(c):
+        return c.elts if isinstance(c, (ast.Tuple, ast.List, ast.Set)) else [c]
+
+    for path in sorted(root.rglob("*.py")):
+        if path.name in ("_rules.py", "_compat.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                named = [k.value for c in sides for k in items(c) if isinstance(k, ast.Constant)]
+                if any(map(by_name, sides)) and set(named) & names:
+                    found.append(f"{where}: {ast.unparse(node)}")
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.slice, ast.Constant)
+                and node.slice.value in keys
+                and ast.unparse(node.value).endswith("params")
+            ):
+                found.append(f"{where}: {ast.unparse(node)}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("scan_split"):
+                found.append(f"{where}: {ast.unparse(node)}")
+    assert not found, found

@@ -195,3 +195,47 @@ def test_records_under_vmap_inside_the_loss_and_checkpoint(maybe_jit):
     want = maybe_jit(vk.grad(model("scan"), capture=spec))(params, x)
     assert sorted(got[1]) == sorted(want[1]) and got[1]
     tree_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def _offset_by_a_carry(outer: bool):
+    """``W[i + k]`` where ``k`` is a carry that starts at a literal 0 and steps by 2: not row ``i``
+    (clamped past the end). ``outer``: ``k`` is the carry of a scan around the loop instead, its
+    start value known there, and the loop slices by ``i + k`` inside."""
+
+    def row(w, i, k):
+        return jax.lax.squeeze(jax.lax.dynamic_slice(w, (i + k, 0, 0), (1, D, D)), (0,))
+
+    def loss(p, x):
+        def body(c, _):
+            i, k, h = c
+            return (i + 1, k + 2, jnp.tanh(h @ row(p["blocks"]["w"], i, k))), None
+
+        if not outer:
+            (_, _, h), _ = jax.lax.scan(body, (0, 0, x), None, length=L)
+            return jnp.mean(jnp.sum(h**2, -1))
+
+        def step(c, _):
+            k, h = c
+            (_, _, h), _ = jax.lax.scan(lambda c, u: body((c[0], k, c[2]), u), (0, k, h), None, length=L)
+            return (k + 2, h), None
+
+        (_, h), _ = jax.lax.scan(step, (0, x), None, length=2)
+        return jnp.mean(jnp.sum(h**2, -1))
+
+    return loss
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["own-carry", "outer-carry"])
+def test_a_carry_start_value_is_not_its_value(maybe_jit, outer):
+    """Only a literal or a const is the same integer in every iteration: an index offset by a
+    carry whose start value is known (0) is not the counter's row. Before, it was hoisted as
+    ``W[i]`` and the gradient was silently wrong (1.17 off on the own-carry case)."""
+    params, x = mlp_params(jax.random.key(11)), batch(12)
+    loss = _offset_by_a_carry(outer)
+    closed = jax.make_jaxpr(loss)(params, x)
+    assert _fori.hoist(closed) is closed
+    grads, cap = maybe_jit(vk.grad(loss, capture="*"))(params, x)
+    tree_allclose(grads, jax.grad(loss)(params, x), rtol=1e-5, atol=1e-6)
+    with pytest.warns(UserWarning, match="blocks"):
+        _, _, norms = maybe_jit(vk.inspect.per_example_grad_norms(loss))(params, x)
+    assert_matches(norms, loss, params, x)

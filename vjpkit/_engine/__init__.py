@@ -6,8 +6,9 @@ import nothing else from the engine. Rooms, dependencies pointing down:
 * ``_driver``: ``configure``, ``trace``, ``replan``, ``linearize``, ``init_hook_state`` (the one driver),
   ``require_unsharded`` (for tools that need the whole batch's records);
 * ``_plan`` (names, active calls, shapes) and ``_run`` (evaluation), both walking equations by
-  ``_rules`` (one table keyed by primitive, planning and evaluation side by side; its
-  ``sub_programs`` and ``call_program`` find the programs every other walker descends into);
+  ``_rules`` (one table keyed by primitive: planning, evaluation and the programs an equation
+  holds side by side; its ``nested`` (with ``call_program`` and ``sub_programs`` on it) is how
+  every other walker descends into programs);
 * ``_site``: sites as spans of the program with a layout, found by site sources;
 * ``_rule``: the custom_vjp rule, which builds the record and hands it to a handler;
 * ``_handlers``: the policy (hooks, capture, host, explain log; ``tangent_hooks`` for forward
@@ -31,10 +32,13 @@ from ._plan import Plan as Plan
 from ._plan import Scanned as Scanned
 from ._plan import Site as Site
 from ._rules import RULES as RULES
+from ._rules import Nested as Nested
 from ._rules import Rule as Rule
 from ._rules import call_program as call_program
+from ._rules import nested as nested
 from ._rules import registered_rule as registered_rule
 from ._rules import sub_programs as sub_programs
+from ._rules import with_programs as with_programs
 from ._site import SOURCES as SOURCES
 from ._site import Layout as Layout
 from ._site import Span as Span
@@ -45,6 +49,7 @@ __all__ = [
     "SOURCES",
     "Handler",
     "Layout",
+    "Nested",
     "Plan",
     "Rule",
     "Scanned",
@@ -56,6 +61,7 @@ __all__ = [
     "configure",
     "init_hook_state",
     "linearize",
+    "nested",
     "registered_rule",
     "registered_source",
     "replan",
@@ -63,4 +69,5 @@ __all__ = [
     "sub_programs",
     "tangent_hooks",
     "trace",
+    "with_programs",
 ]

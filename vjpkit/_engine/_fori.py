@@ -12,7 +12,9 @@ leaf. Programs without such a scan are returned as they are (identity kept).
 A const ``W`` is moved only when the slice is provably iteration ``k``'s row ``W[k]`` for every
 ``k`` of the scan: the counter is a carry that starts at a literal ``c0`` and the body returns
 it plus one; the start index is the counter plus a literal offset, through the casts and the
-``select_n``/``lt`` that normalise negative indices (evaluated over the counter's range), with
+``select_n``/``lt`` that normalise negative indices (evaluated over the counter's range; other
+integers known only when they are literals, or consts of the scan and of the programs around it,
+never a carry's start value), with
 ``c0 + offset == 0`` and the scan's length equal to ``W.shape[0]``; the other start indices are
 0 and the slice is one row, used only through a ``squeeze`` or ``reshape`` that drops that
 axis. Anything else keeps its scan unchanged. Sub-programs (inner ``jit``, ``checkpoint``,
@@ -33,9 +35,10 @@ from jax import lax
 from jax.extend import core as jcore
 
 from .. import _compat
+from ._rules import nested, with_programs
 from ._run import Runner
+from ._site import span_of
 
-_SKIP = ("vjpkit_layer", "vjpkit_matched")  # sites keep their own programs
 _CMP = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
         "eq": np.equal, "ne": np.not_equal}  # fmt: skip
 
@@ -67,45 +70,34 @@ def _program(jaxpr: Any, known: dict) -> Any:
     for eqn in jaxpr.eqns:
         ins = [_scalar(a) if isinstance(a, jcore.Literal) else known.get(a) for a in eqn.invars]
         new = _nested(eqn, ins)
-        if new.primitive.name == "scan":
-            new = _scan(new, ins) or new
+        scan = [n for n in nested(new) if n.kind == "scan"]
+        if scan:
+            new = _scan(new, scan[0], ins) or new
         changed |= new is not eqn
         eqns.append(new)
     return jaxpr.replace(eqns=eqns) if changed else jaxpr
 
 
 def _nested(eqn: Any, ins: list) -> Any:
-    """``eqn`` with its sub-programs rewritten (found in any param, as tuples too); a
-    sub-program's inputs are known where they are the equation's operands one to one (a cond's
-    branches: after the index) and known."""
-    if eqn.primitive.name in _SKIP:
+    """``eqn`` with its sub-programs rewritten (``nested``); a sub-program's input is known
+    where it is an equation operand that is the same value in every run of the program (as
+    it is, or a loop's const; never a loop's carry or a scan's slice) and known."""
+    if span_of(eqn) is not None:  # sites keep their own programs
         return eqn
-    changes = {}
-    for key, value in eqn.params.items():
-        items = value if isinstance(value, tuple) else (value,)
-        if not any(isinstance(s, (jcore.Jaxpr, jcore.ClosedJaxpr)) for s in items):
-            continue
-        out = tuple(_sub(s, ins[1:] if eqn.primitive.name == "cond" else ins) for s in items)
-        if any(a is not b for a, b in zip(out, items)):
-            changes[key] = out if isinstance(value, tuple) else out[0]
-    return eqn.replace(params={**eqn.params, **changes}) if changes else eqn
+    return with_programs(eqn, {n: _sub(n, n.operands(ins, "=c")) for n in nested(eqn)})
 
 
-def _sub(s: Any, ins: list) -> Any:
-    if not isinstance(s, (jcore.Jaxpr, jcore.ClosedJaxpr)):
-        return s
-    jaxpr = s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s
-    pairs = zip(jaxpr.invars, ins) if len(jaxpr.invars) == len(ins) else ()
-    known = {v: x for v, x in pairs if x is not None}
+def _sub(n: Any, ins: list) -> Any:
+    jaxpr = n.jaxpr
+    known = {v: x for v, x in zip(jaxpr.invars, ins) if x is not None}
     new = _program(jaxpr, known)
     if new is jaxpr:
-        return s
-    return _compat.closed_jaxpr(new, s.consts) if isinstance(s, jcore.ClosedJaxpr) else new
+        return n.program
+    return _compat.closed_jaxpr(new, n.program.consts) if isinstance(n.program, jcore.ClosedJaxpr) else new
 
 
-def _counters(eqn: Any, nc: int, ncar: int, ins: list) -> dict:
+def _counters(body: Any, nc: int, ncar: int, ins: list) -> dict:
     """``{body var: c0}`` for each carry that starts at a known ``c0`` and steps by one."""
-    body = eqn.params["jaxpr"].jaxpr
     made = {o: e for e in body.eqns for o in e.outvars}
     found = {}
     for j in range(ncar):
@@ -167,18 +159,19 @@ def _values(body: Any, counters: dict, length: int, known: dict) -> dict:
     return val
 
 
-def _slices(eqn: Any, nc: int, ncar: int, ins: list) -> dict:
+def _slices(eqn: Any, body: Any, nc: int, ncar: int, ins: list) -> dict:
     """``{const index: {var replaced by the row: None}}`` for the consts the body slices by
     iteration (see the contract); empty when there are none."""
     params = eqn.params
     if params.get("reverse"):
         return {}
-    body = params["jaxpr"].jaxpr
-    counters = _counters(eqn, nc, ncar, ins)
+    counters = _counters(body, nc, ncar, ins)
     if not counters:
         return {}
     length = params["length"]
-    val = _values(body, counters, length, {v: x for v, x in zip(body.invars, ins) if x is not None})
+    # only a const is the same value every iteration: a carry's start value is not its value
+    known = {v: x for v, x in zip(body.invars[:nc], ins[:nc]) if x is not None}
+    val = _values(body, counters, length, known)
     consts = {v: k for k, v in enumerate(body.invars[:nc])}
     users: dict[Any, list] = {}
     for e in body.eqns:
@@ -238,14 +231,14 @@ def _eval(jaxpr: Any, consts: Sequence, args: Sequence, rows: dict) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _scan(eqn: Any, ins: list) -> Any | None:
-    """The scan ``eqn`` with its counter-sliced consts as ``xs`` (one new ``scan`` equation), or
-    None when it has none or the rewrite does not apply."""
-    nc, ncar = _compat.scan_split(eqn.params)
-    found = _slices(eqn, nc, ncar, ins)
+def _scan(eqn: Any, nest: Any, ins: list) -> Any | None:
+    """The scan ``eqn`` (``nest``: its body) with its counter-sliced consts as ``xs`` (one new
+    ``scan`` equation), or None when it has none or the rewrite does not apply."""
+    nc, ncar = nest.roles.count("c"), nest.roles.count("r")
+    found = _slices(eqn, nest.jaxpr, nc, ncar, ins)
     if not found or any(getattr(a.aval, "vma", None) for a in eqn.invars):
         return None
-    params, body = eqn.params, eqn.params["jaxpr"]
+    params, body = eqn.params, nest.program
     moved = sorted(found)
     n_xs = len(eqn.invars) - nc - ncar
 
@@ -267,7 +260,7 @@ def _scan(eqn: Any, ins: list) -> Any | None:
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
     traced = jax.make_jaxpr(fun)(*specs)
     new = traced.jaxpr
-    if traced.consts or len(new.eqns) != 1 or new.eqns[0].primitive.name != "scan":
+    if traced.consts or len(new.eqns) != 1 or not any(n.kind == "scan" for n in nested(new.eqns[0])):
         return None
     outer = dict(zip(new.invars, eqn.invars))
     scan = new.eqns[0]

@@ -57,7 +57,7 @@ from .._kinds import LayerKind
 from .._primitive import layer_p, site_primitive
 from .._trees import Static
 from . import _site
-from ._rules import call_program
+from ._rules import nested, with_programs
 
 match_p = site_primitive("vjpkit_matched")
 _site.SOURCES[match_p] = _site.layer_span
@@ -180,22 +180,22 @@ class _Matcher:
         name = eqn.primitive.name
         if eqn.primitive is layer_p or eqn.primitive is match_p:  # left to its source
             return [D] * len(eqn.outvars), None
-        program = call_program(eqn)
-        nested = name in ("scan", "cond") or program is not None
-        if nested:
+        nest = [n for n in nested(eqn) if n.kind in ("call", "scan", "branch")]  # walked here
+        if nest:
             # a parameter computation made here (W.T, a cast, W[i], LoRA's sum) is a copy inside
             # the nested program: its record there would hold the copy's gradient under the
             # leaf's path. Its uses there with data are other uses; its uses here, as the nested
             # equation's outputs, are matched here (a span holds the nested equation whole)
             ins = [c if _is_lit(a) or a in leaves else _copy(c) for a, c in zip(eqn.invars, ins)]
-        if name == "shard_map":  # a leaf split over the shards is a slice of it in each: a copy
-            ins = [_copy(c) if any(spec) else c for c, spec in zip(ins, eqn.params["in_specs"])]
-        if name == "scan":
-            return self.scan(eqn, ins, where, rewrite, [not _is_lit(a) and a in leaves for a in eqn.invars])
-        if name == "cond":
-            return self.cond(eqn, ins, where, rewrite)
-        if nested:
-            return self.call(eqn, program, ins, where, rewrite)
+            # a leaf split over a shard_map's shards is a slice of it in each: a copy
+            parts = {i for n in nest for i, r in zip(n.ins, n.roles) if r == "p"}
+            ins = [_copy(c) if i in parts else c for i, c in enumerate(ins)]
+            if nest[0].kind == "scan":
+                leaf = [not _is_lit(a) and a in leaves for a in eqn.invars]
+                return self.scan(eqn, nest[0], ins, where, rewrite, leaf)
+            if nest[0].kind == "branch":
+                return self.cond(eqn, nest, ins, where, rewrite)
+            return self.call(eqn, nest[0], ins, where, rewrite)
         if _layer_roles(eqn, ins) is not None:
             return "layer", None
         out = _join(ins, transparent=name in _TRANSPARENT)
@@ -205,8 +205,9 @@ class _Matcher:
                     self.other_use(c, name, where)
         return [out] * len(eqn.outvars), None
 
-    def call(self, eqn, program, ins, where, rewrite):
-        key, inner = program
+    def call(self, eqn, nest, ins, where, rewrite):
+        inner = nest.program
+        ins = nest.operands(ins, "=cp")
         # JAX reuses an inner jit's program across traces: so does the rewrite, which keeps the
         # eager engine's compiled-call cache (keyed by the program's identity) warm
         here = _CALL_NAMES.get(eqn.primitive.name, eqn.primitive.name)
@@ -236,44 +237,47 @@ class _Matcher:
                 if len(_CALL_CACHE) >= 256:
                     _CALL_CACHE.pop(next(iter(_CALL_CACHE)))
                 _CALL_CACHE[memo] = (inner, value, outs, self.other[before:], self.named[named_before:])
-        if value is inner:
-            return outs, None
-        return outs, eqn.replace(params={**eqn.params, key: value})
+        new_eqn = with_programs(eqn, {nest: value})
+        return outs, (None if new_eqn is eqn else new_eqn)
 
-    def scan(self, eqn, ins, where, rewrite, leaf: list[bool]):
-        params = eqn.params
-        nc, ncar = _compat.scan_split(params)
-        body = params["jaxpr"]
-        consts, carry, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+    def scan(self, eqn, nest, ins, where, rewrite, leaf: list[bool]):
+        body = nest.program
+        ins = [ins[i] for i in nest.ins]
+        leaf = [leaf[i] for i in nest.ins]
+        roles = nest.roles
         # a carry is the leaf in every iteration only when it enters as the leaf and the body
         # returns it unchanged; any other parameter carry (``w * 0.99``) is a copy in the body
-        kept = [leaf[nc + i] and body.jaxpr.outvars[i] is body.jaxpr.invars[nc + i] for i in range(ncar)]
-        carry = [c if k else _copy(c) for c, k in zip(carry, kept)]
+        carried = [k for k, r in enumerate(roles) if r == "r"]
+        kept = {k: leaf[k] and body.jaxpr.outvars[j] is body.jaxpr.invars[k] for j, k in enumerate(carried)}
+        ins = [c if roles[k] != "r" or kept[k] else _copy(c) for k, c in enumerate(ins)]
         const_cls = [None] * len(body.jaxpr.constvars)
         here = f"{where}/scan" if where else "scan"
         while True:  # the carry's classes to a fixed point
-            _, outs = self.walk(body.jaxpr, consts + carry + xs, const_cls, here, False)
-            new = [a if a == b else _copy(_join([a, b])) for a, b in zip(carry, outs[:ncar])]
-            if new == carry:
+            _, outs = self.walk(body.jaxpr, ins, const_cls, here, False)
+            new = list(ins)
+            for j, k in enumerate(carried):
+                a, b = ins[k], outs[j]
+                new[k] = a if a == b else _copy(_join([a, b]))
+            if new == ins:
                 break
-            carry = new
-        jaxpr, outs = self.walk(body.jaxpr, consts + carry + xs, const_cls, here, rewrite)
+            ins = new
+        jaxpr, outs = self.walk(body.jaxpr, ins, const_cls, here, rewrite)
         outs = [_outer(c) for c in outs]
         if jaxpr is body.jaxpr:
             return outs, None
-        return outs, eqn.replace(params={**params, "jaxpr": _compat.closed_jaxpr(jaxpr, body.consts)})
+        return outs, with_programs(eqn, {nest: _compat.closed_jaxpr(jaxpr, body.consts)})
 
-    def cond(self, eqn, ins, where, rewrite):
+    def cond(self, eqn, nest, ins, where, rewrite):
         here = f"{where}/cond" if where else "cond"
-        branches, outs = [], None
-        for br in eqn.params["branches"]:
-            jaxpr, o = self.walk(br.jaxpr, ins[1:], [None] * len(br.jaxpr.constvars), here, rewrite)
+        new, outs = {}, None
+        for n in nest:
+            br = n.program
+            jaxpr, o = self.walk(br.jaxpr, n.operands(ins), [None] * len(br.jaxpr.constvars), here, rewrite)
             o = [_outer(c) for c in o]
-            branches.append(_compat.closed_jaxpr(jaxpr, br.consts))
+            if jaxpr is not br.jaxpr:
+                new[n] = _compat.closed_jaxpr(jaxpr, br.consts)
             outs = o if outs is None else [_join([a, b]) for a, b in zip(outs, o)]
-        if all(b.jaxpr is br.jaxpr for b, br in zip(branches, eqn.params["branches"])):
-            return outs, None
-        return outs, eqn.replace(params={**eqn.params, "branches": tuple(branches)})
+        return outs, (with_programs(eqn, new) if new else None)
 
     # -- spans: each layer equation (and what joins it) becomes one vjpkit_matched equation
     def spans(self, jaxpr, eqns, new_eqns, layers, cls, where: str) -> list:

@@ -1,11 +1,13 @@
 """Rules per primitive: how the plan walks an equation and how the runner evaluates it, side by side.
 
-Contract: ``RULES`` maps a primitive name to a ``Rule(plan, eval)``; ``rule_for(eqn)`` gives the
-rule of an equation (``SITE`` for an equation a site source recognises, ``CALL`` for any
-call-like primitive not in the table, ``DEFAULT`` for any other primitive). Adding a primitive
-is one entry here. The one place that says which primitives hold programs and how: every
-walker of the engine and of the tools finds sub-programs with ``sub_programs`` and call-like
-equations with ``call_program`` (generically, by their params), never by its own list.
+Contract: ``RULES`` maps a primitive name to a ``Rule(plan, eval, nest)``; ``rule_for(eqn)``
+gives the rule of an equation (``SITE`` for an equation a site source recognises, ``CALL`` for
+any call-like primitive not in the table, ``DEFAULT`` for any other primitive). Adding a
+primitive is one entry here. The one place that says which primitives hold programs and how:
+every walker of the engine and of the tools (planning, running, plain-JAX matching, the
+``fori_loop`` rewrite, per-example uses and dependence, curvature's example axis) descends into
+an equation's programs through ``nested(eqn)`` (or ``call_program`` / ``sub_programs``, built
+on it), never by its own list of primitives or its own reading of their params.
 
 * ``plan(planner, eqn, ins, at) -> out flags``: the forward dataflow "may carry a gradient"
   over the equation's outputs, given its inputs' flags ``ins``; ``at`` is the ``At`` of the
@@ -14,6 +16,10 @@ equations with ``call_program`` (generically, by their params), never by its own
 * ``eval(runner, eqn, invals, p, probes, states) -> (outs, states)``: evaluates an equation that
   holds active layer calls (at path ``p``), threading the probes and hook states of the calls
   inside it (``runner.mine``); equations that hold none are bound as they are.
+* ``nest(eqn) -> (Nested, ...)``: the programs the equation holds, each with the operands it
+  receives and their role (as they are, a scan's const / carry / slice, a shard's part) and its
+  kind (``"call"``, ``"scan"``, ``"branch"``, ``"loop"``, ``"opaque"``); ``None``: the generic
+  finder, every program in the params as ``"opaque"``.
 """
 
 from __future__ import annotations
@@ -54,10 +60,48 @@ class At(NamedTuple):
 
 
 class Rule(NamedTuple):
-    """How one primitive is planned and evaluated (see the module contract)."""
+    """How one primitive is planned, evaluated and descended into (see the module contract)."""
 
     plan: Callable
     eval: Callable
+    nest: Callable | None = None
+
+
+class Nested(NamedTuple):
+    """One program an equation holds, and how the equation's operands enter it.
+
+    ``kind``: ``"call"`` runs once on the operands as they are, its outputs the equation's (an
+    inner ``jax.jit``, ``jax.checkpoint``, ``shard_map``, a call primitive of another library);
+    ``"scan"`` runs once per iteration, its outputs the carry then the stacked ``ys``;
+    ``"branch"`` is one of a ``cond``'s programs (``index``: which), its outputs the equation's;
+    ``"loop"`` a ``while``'s condition or body (run an unknown number of times); ``"opaque"`` a
+    program the engine does not rewrite (a custom_jvp/custom_vjp function's, and those of
+    primitives it does not know).
+
+    ``ins``: per program input, the index of the equation operand it receives (``None``: not
+    known). ``roles``: one letter per input, ``"="`` the operand as it is, ``"c"`` a loop's
+    const (the same array every iteration), ``"r"`` a loop's carry (changes between
+    iterations), ``"s"`` a scan's ``xs`` (one slice per iteration), ``"p"`` a ``shard_map``
+    operand split over the shards (each shard sees its part)."""
+
+    key: str
+    index: int | None
+    program: Any
+    kind: str
+    ins: tuple | None
+    roles: str
+
+    @property
+    def jaxpr(self) -> Any:
+        """The open program."""
+        return _open(self.program)
+
+    def operands(self, values: list, keep: str = "=cp") -> list:
+        """``values`` (one per equation operand) as this program's inputs; an input whose role
+        is not in ``keep`` (or when ``ins`` is not known) gets ``None``."""
+        if self.ins is None:
+            return [None] * len(self.jaxpr.invars)
+        return [values[i] if r in keep else None for i, r in zip(self.ins, self.roles)]
 
 
 # --- default: any other primitive ---------------------------------------------------------------
@@ -77,6 +121,40 @@ def scanned(origin: Any, how: str) -> Any:
     if isinstance(origin, Scanned):
         return Scanned(origin.leaf, origin.how + how)
     return Scanned(origin, how) if isinstance(origin, int) else None
+
+
+def _found(eqn: Any) -> list[tuple[str, int | None, Any]]:
+    """``(param, position in a tuple or None, value)`` of every program in ``eqn``'s params."""
+    found = []
+    for key, value in eqn.params.items():
+        if isinstance(value, (tuple, list)):
+            found += [(key, k, v) for k, v in enumerate(value) if _open(v) is not None]
+        elif _open(value) is not None:
+            found.append((key, None, value))
+    return found
+
+
+def _nest_generic(eqn: Any, call: bool) -> tuple[Nested, ...]:
+    """Every program in the params; one run on the operands as they are (found by arity) is
+    ``"opaque"`` with its operands known, or the ``"call"`` when ``call`` (the first such)."""
+    out: list[Nested] = []
+    n_in, n_out = len(eqn.invars), len(eqn.outvars)
+    for key, index, value in _found(eqn):
+        j = _open(value)
+        if len(j.invars) == n_in and len(j.outvars) == n_out:
+            kind = "call" if call and not any(m.kind == "call" for m in out) else "opaque"
+            out.append(Nested(key, index, value, kind, tuple(range(n_in)), "=" * n_in))
+        else:
+            out.append(Nested(key, index, value, "opaque", None, ""))
+    return tuple(out)
+
+
+def _nest_opaque(eqn: Any) -> tuple[Nested, ...]:
+    return _nest_generic(eqn, call=False)
+
+
+def _nest_call(eqn: Any) -> tuple[Nested, ...]:
+    return _nest_generic(eqn, call=True)
 
 
 def _plan_default(planner, eqn, ins, at):
@@ -130,6 +208,13 @@ def _plan_scan(planner, eqn, ins, at):
     return planner.walk(body, consts + carry + xs, inner, tagged)
 
 
+def _nest_scan(eqn: Any) -> tuple[Nested, ...]:
+    nc, ncar = _compat.scan_split(eqn.params)
+    n = len(eqn.invars)
+    roles = "c" * nc + "r" * ncar + "s" * (n - nc - ncar)
+    return (Nested("jaxpr", None, eqn.params["jaxpr"], "scan", tuple(range(n)), roles),)
+
+
 def _eval_scan(runner, eqn, invals, p, probes, states):
     """Re-scanned with the calls' probes stacked as ``xs`` and their states in the carry."""
     params = eqn.params
@@ -175,6 +260,25 @@ def _plan_cond(planner, eqn, ins, at):
     names = set().union(*after)
     planner.counts = {n: max(c.get(n, 0) for c in after) for n in names}
     return outs
+
+
+def _nest_cond(eqn: Any) -> tuple[Nested, ...]:
+    """Each branch gets the operands after the index."""
+    ops = tuple(range(1, len(eqn.invars)))
+    branches = eqn.params["branches"]
+    return tuple(Nested("branches", k, br, "branch", ops, "=" * len(ops)) for k, br in enumerate(branches))
+
+
+def _nest_while(eqn: Any) -> tuple[Nested, ...]:
+    """The condition gets its consts and the carry, the body its consts and the carry."""
+    params = eqn.params
+    cc, bc = params["cond_nconsts"], params["body_nconsts"]
+    carry = tuple(range(cc + bc, len(eqn.invars)))
+    r = "r" * len(carry)
+    return (
+        Nested("cond_jaxpr", None, params["cond_jaxpr"], "loop", (*range(cc), *carry), "c" * cc + r),
+        Nested("body_jaxpr", None, params["body_jaxpr"], "loop", (*range(cc, cc + bc), *carry), "c" * bc + r),
+    )
 
 
 def _eval_cond(runner, eqn, invals, p, probes, states):
@@ -242,6 +346,12 @@ def _plan_shard_map(planner, eqn, ins, at):
     return planner.walk(eqn.params["jaxpr"], ins, inner)
 
 
+def _nest_shard_map(eqn: Any) -> tuple[Nested, ...]:
+    """A call whose operands split over the shards (``in_specs`` naming an axis) are parts."""
+    roles = "".join("p" if any(spec) else "=" for spec in eqn.params["in_specs"])
+    return (Nested("jaxpr", None, eqn.params["jaxpr"], "call", tuple(range(len(eqn.invars))), roles),)
+
+
 def _eval_shard_map(runner, eqn, invals, p, probes, states):
     """Re-mapped with the calls' probes and states as extra operands split over the manual
     axes on their leading (shard) axis, so each shard writes its own records."""
@@ -270,21 +380,22 @@ def _eval_shard_map(runner, eqn, invals, p, probes, states):
 # --- programs the engine does not rewrite: their layer calls run plain, with a warning ---------------
 
 
-OPAQUE = DEFAULT  # named for the table: the default rule already warns about calls inside
+OPAQUE = Rule(_plan_default, _eval_default, _nest_opaque)  # programs not rewritten: calls inside warn
+OPAQUE_LOOP = Rule(_plan_default, _eval_default, _nest_while)
 # a function with its own derivative rule: not rewritten, but its program is what runs forward
-OPAQUE_CALL = Rule(_plan_default, _eval_default)
+OPAQUE_CALL = Rule(_plan_default, _eval_default, _nest_opaque)
 
-CALL = Rule(_plan_call, _eval_call)  # any call-like primitive (``call_program``): inlined
+CALL = Rule(_plan_call, _eval_call, _nest_call)  # any call-like primitive (``call_program``): inlined
 RULES: dict[str, Rule] = {
-    "scan": Rule(_plan_scan, _eval_scan),
-    "cond": Rule(_plan_cond, _eval_cond),
-    "checkpoint": Rule(_plan_remat, _eval_remat),
-    "remat2": Rule(_plan_remat, _eval_remat),
+    "scan": Rule(_plan_scan, _eval_scan, _nest_scan),
+    "cond": Rule(_plan_cond, _eval_cond, _nest_cond),
+    "checkpoint": Rule(_plan_remat, _eval_remat, _nest_call),
+    "remat2": Rule(_plan_remat, _eval_remat, _nest_call),
     "custom_jvp_call": OPAQUE_CALL,
     "custom_vjp_call": OPAQUE_CALL,
     "custom_vjp_call_jaxpr": OPAQUE_CALL,
-    "while": OPAQUE,
-    "shard_map": Rule(_plan_shard_map, _eval_shard_map),
+    "while": OPAQUE_LOOP,
+    "shard_map": Rule(_plan_shard_map, _eval_shard_map, _nest_shard_map),
 }
 
 
@@ -293,10 +404,14 @@ def rule_for(eqn: Any, is_site: Callable[[Any], bool]) -> Rule:
     ``RULES``, else ``CALL`` for a call-like equation (``call_program``), else ``DEFAULT``."""
     if is_site(eqn):
         return SITE
+    return _rule(eqn)
+
+
+def _rule(eqn: Any) -> Rule:
     rule = RULES.get(eqn.primitive.name)
     if rule is not None:
         return rule
-    return CALL if call_program(eqn) is not None else DEFAULT
+    return CALL if any(n.kind == "call" for n in _nest_call(eqn)) else DEFAULT
 
 
 # --- sub-programs, found generically in equation params (as equinox's _finalise_jaxpr does) ------
@@ -306,6 +421,38 @@ def _open(value: Any) -> Any:
     """The open program of a ``Jaxpr`` or ``ClosedJaxpr`` parameter value, else ``None``."""
     j = getattr(value, "jaxpr", value)
     return j if hasattr(j, "eqns") and hasattr(j, "invars") else None
+
+
+def nested(eqn: Any) -> tuple[Nested, ...]:
+    """The programs ``eqn`` holds, each with how its operands enter it (``Nested``), by the
+    equation's rule; empty for an equation with none. A site equation is not special here:
+    walkers that leave sites to their sources check ``_site.span_of`` first.
+
+    >>> import jax
+    >>> jaxpr = jax.make_jaxpr(lambda w, c: jax.lax.scan(lambda c, x: (c * w, x), c, c[None]))
+    >>> eqn = jaxpr(2.0, jax.numpy.ones(1)).jaxpr.eqns[-1]
+    >>> [(n.kind, n.roles) for n in nested(eqn)]
+    [('scan', 'crs')]
+    """
+    nest = _rule(eqn).nest
+    return (nest or _nest_opaque)(eqn)
+
+
+def with_programs(eqn: Any, new: dict) -> Any:
+    """``eqn`` with some of its programs replaced: ``new`` maps a ``Nested`` of ``nested(eqn)``
+    to its new program; ``eqn`` itself when every new program is the old one."""
+    new = {n: v for n, v in new.items() if v is not n.program}
+    if not new:
+        return eqn
+    params = dict(eqn.params)
+    for n, v in new.items():
+        if n.index is None:
+            params[n.key] = v
+        else:
+            items = list(params[n.key])
+            items[n.index] = v
+            params[n.key] = type(eqn.params[n.key])(items)
+    return eqn.replace(params=params)
 
 
 def sub_programs(params: dict) -> list:
@@ -320,21 +467,16 @@ def sub_programs(params: dict) -> list:
 
 
 def call_program(eqn: Any, forward: bool = False) -> tuple[str, Any] | None:
-    """``(param name, program)`` of a call-like equation, one that runs one program on its
-    operands as they are and returns its outputs (an inner ``jax.jit``, ``closed_call``,
-    ``jax.checkpoint``, ``jax.shard_map``, any new call primitive), found in its params by
-    arity; ``None`` for the other primitives with programs, whose rules treat them apart
-    (``scan``, ``cond``, and those the engine does not rewrite: custom_jvp/custom_vjp, while).
-    ``forward``: a custom_jvp/custom_vjp function's program too (a forward dataflow may walk
-    what runs forward; the engine does not rewrite it)."""
-    rule = RULES.get(eqn.primitive.name)
-    calls = rule is None or rule.plan in (_plan_remat, _plan_shard_map)
-    if not calls and not (forward and rule is OPAQUE_CALL):
-        return None
-    for key, value in eqn.params.items():
-        j = _open(value)
-        if j is not None and len(j.invars) == len(eqn.invars) and len(j.outvars) == len(eqn.outvars):
-            return key, value
+    """``(param name, program)`` of a call-like equation (``nested``'s ``"call"``: an inner
+    ``jax.jit``, ``jax.checkpoint``, ``jax.shard_map``, any new call primitive, found in its
+    params by arity); ``None`` for the other primitives with programs, whose rules treat them
+    apart (``scan``, ``cond``, and those the engine does not rewrite: custom_jvp/custom_vjp,
+    while). ``forward``: a custom_jvp/custom_vjp function's program too (an ``"opaque"``
+    program run on the operands as they are: a forward dataflow may walk what runs forward;
+    the engine does not rewrite it)."""
+    for n in nested(eqn):
+        if n.kind == "call" or (forward and n.kind == "opaque" and n.ins is not None):
+            return n.key, n.program
     return None
 
 

@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 from .. import _context
 from . import _rule
 from ._plan import Plan, _is_site
-from ._rules import rule_for
+from ._rules import call_program, rule_for
 
 _JIT_CACHE: dict = {}
 _JIT_CACHE_SIZE = 64
@@ -111,7 +111,7 @@ class Runner:
 
     def compiled(self, eqn, invals, p, probes, states) -> tuple[list, dict]:
         """An inner ``jax.jit`` called eagerly stays one compiled call, cached per configuration."""
-        inner = eqn.params["jaxpr"]
+        inner = call_program(eqn)[1]
         sites = tuple((q[len(p) :], s.key) for q, s in self.plan.sites.items() if q[: len(p)] == p)
         key = (self.plan.config.token, id(inner), sites, self.mark)
         entry = _JIT_CACHE.get(key)

@@ -22,7 +22,7 @@ from typing import Any
 
 from jax.extend import core as jcore
 
-from .. import _compat, _engine
+from .. import _engine
 
 MIXED = "mixed"
 
@@ -186,19 +186,21 @@ def _eqn(eqn: Any, axes: list, seed: Any) -> list:
     n_out = len(eqn.outvars)
     if MIXED in axes:
         return [MIXED] * n_out
-    if name == "scan":
-        return _scan(eqn, axes, seed)
-    if name == "cond":
-        if axes[0] is not None:
+    nest = _engine.nested(eqn)
+    kinds = {n.kind for n in nest}
+    if "scan" in kinds:
+        return _scan(nest[0], axes, seed)
+    if "branch" in kinds:
+        picked = set(range(len(axes))) - {i for n in nest for i in n.ins}  # the branch index
+        if any(axes[i] is not None for i in picked):
             return [MIXED] * n_out
-        branches = eqn.params["branches"]
         outs = [None] * n_out
-        for k, branch in enumerate(branches):
-            sub = seed[0][2:] if seed is not None and seed[0][:2] == ("b", k) else None
-            got = _walk(branch, axes[1:], (sub, seed[1]) if sub is not None else None)
+        for n in nest:
+            sub = seed[0][2:] if seed is not None and seed[0][:2] == ("b", n.index) else None
+            got = _walk(n.program, n.operands(axes), (sub, seed[1]) if sub is not None else None)
             outs = [join(o, g) for o, g in zip(outs, got)]
         return outs
-    if name == "while":
+    if "loop" in kinds:
         return [MIXED] * n_out
     if seed is not None or name not in _RULES:
         inner = _inner(eqn) if name not in _RULES else None
@@ -223,21 +225,25 @@ def _eqn(eqn: Any, axes: list, seed: Any) -> list:
         return [MIXED] * n_out
 
 
-def _scan(eqn: Any, axes: list, seed: Any) -> list:
-    n_consts, n_carry = _compat.scan_split(eqn.params)
-    body = eqn.params["jaxpr"]
-    consts, carry, xs = axes[:n_consts], axes[n_consts : n_consts + n_carry], axes[n_consts + n_carry :]
-    xs = [None if a is None else MIXED if a == 0 else a - 1 for a in xs]
+def _scan(nest: Any, axes: list, seed: Any) -> list:
+    """A scan's body walked to a fixed point over its carry. A slice (``xs``) has lost the
+    leading axis, the iterations': an example axis there is mixed, any other one is one lower."""
+    roles = nest.roles
+    ins = [axes[i] for i in nest.ins]
+    ins = [a if r != "s" or a is None else MIXED if a == 0 else a - 1 for a, r in zip(ins, roles)]
+    carried = [k for k, r in enumerate(roles) if r == "r"]
     for _ in range(8):
-        outs = _walk(body, consts + carry + xs, seed)
-        new = [join(c, o) for c, o in zip(carry, outs[:n_carry])]
-        if new == carry:
+        outs = _walk(nest.program, ins, seed)
+        new = list(ins)
+        for j, k in enumerate(carried):
+            new[k] = join(ins[k], outs[j])
+        if new == ins:
             break
-        carry = new
+        ins = new
     else:
-        return [MIXED] * len(eqn.outvars)
-    ys = [None if a is None else MIXED if a == MIXED else a + 1 for a in outs[n_carry:]]
-    return carry + ys
+        return [MIXED] * len(outs)
+    ys = [None if a is None else MIXED if a == MIXED else a + 1 for a in outs[len(carried) :]]
+    return [ins[k] for k in carried] + ys
 
 
 def _one(fn):

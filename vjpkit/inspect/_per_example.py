@@ -302,10 +302,9 @@ def _span(eqn: Any) -> Any:
     return None if source is None else source(eqn)
 
 
-def _call_program(eqn: Any) -> Any:
-    """The open program a call-like equation runs on its operands as they are, or ``None``."""
-    found = _engine.call_program(eqn)
-    return None if found is None else getattr(found[1], "jaxpr", found[1])
+def _call_nest(eqn: Any) -> Any:
+    """The program a call-like equation runs on its operands (``_engine.Nested``), or ``None``."""
+    return next((n for n in _engine.nested(eqn) if n.kind == "call"), None)
 
 
 def _has_calls(jaxpr: Any, cache: dict) -> bool:
@@ -355,25 +354,28 @@ def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict
             if _has_calls(span.jaxpr.jaxpr, cache):  # a parent module: its own code may use them too
                 _walk_uses(span.jaxpr.jaxpr, ins, span.name, out, cache)
             continue
-        sub = _call_program(eqn)
-        if isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
-            for v, t in zip(eqn.outvars, _walk_uses(sub, ins, where, out, cache)):
+        nest = _engine.nested(eqn)
+        kinds = {n.kind for n in nest}
+        if "call" in kinds:
+            (call,) = [n for n in nest if n.kind == "call"]
+            for v, t in zip(eqn.outvars, _walk_uses(call.jaxpr, call.operands(ins), where, out, cache)):
                 if t is not None:
                     env[v] = t
             continue
         prim = eqn.primitive.name
-        if prim == "scan":  # a leaf given as xs (sliced) or a const: its layer calls are per iteration
-            nc, ncar = _compat.scan_split(eqn.params)
-            carried = [t for t in ins[nc : nc + ncar] if t is not None]
-            for t in carried:
-                out.setdefault(
-                    t[0], (True, "carried through a 'scan' (its value changes between iterations)")
-                )
-            body = [(t[0], t[1] + ("c" if k < nc else "s")) if t is not None and k not in range(nc, nc + ncar)
-                    else None for k, t in enumerate(ins)]  # fmt: skip
-            _walk_uses(eqn.params["jaxpr"].jaxpr, body, where, out, cache)
+        if "scan" in kinds:  # a leaf given as xs (sliced) or a const: its layer calls are per iteration
+            (scan,) = nest
+            for t, r in zip(scan.operands(ins, "crs"), scan.roles):
+                if t is not None and r == "r":
+                    out.setdefault(
+                        t[0], (True, "carried through a 'scan' (its value changes between iterations)")
+                    )
+            body = [(t[0], t[1] + r) if t is not None and r in "cs" else None
+                    for t, r in zip(scan.operands(ins, "crs"), scan.roles)]  # fmt: skip
+            _walk_uses(scan.jaxpr, body, where, out, cache)
             continue
-        if prim in ("scan", "while", "cond"):
+        looped = bool(kinds & {"scan", "loop", "branch"})
+        if looped:
             use = f"passed into a '{prim}' (a layer called in a loop or branch has no per-example record)"
         elif where:
             use = f"used by a '{prim}' in layer {where!r} outside its sublayers (e.g. a tied Embed.attend)"
@@ -384,7 +386,7 @@ def _walk_uses(jaxpr: Any, tags: list, where: str | None, out: dict, cache: dict
             )
         for t in ins:
             if t is not None:
-                out.setdefault(t[0], (prim in ("scan", "while", "cond"), use))
+                out.setdefault(t[0], (looped, use))
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -400,15 +402,15 @@ def _batched_calls(jaxpr: Any, tainted: list, out: set, cache: dict) -> list:
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
         span = _span(eqn)
-        sub = None if span is not None else _call_program(eqn)
+        call = None if span is not None else _call_nest(eqn)
         if span is not None:
             if any(ins):
                 out.add(id(eqn))
             if _has_calls(span.jaxpr.jaxpr, cache):
                 _batched_calls(span.jaxpr.jaxpr, ins, out, cache)
             outs = [any(ins)] * len(eqn.outvars)  # the batching rule batches every output
-        elif isinstance(sub, jcore.Jaxpr) and len(sub.invars) == len(ins):
-            outs = _batched_calls(sub, ins, out, cache)
+        elif call is not None:
+            outs = _batched_calls(call.jaxpr, call.operands(ins), out, cache)
         else:
             outs = [any(ins)] * len(eqn.outvars)
         env.update(v for v, t in zip(eqn.outvars, outs) if t)
