@@ -16,7 +16,22 @@ scikit-learn's digits (8x8 images; no MNIST offline here), batch 128:
 * ``cnn``: ``examples/_digits.py``'s small CNN, softmax cross-entropy;
 * ``autoencoder``: the classic deep autoencoder shape (Martens & Grosse 2015), 64-1000-500-250-30
   mirrored, sigmoid units and a linear code, sigmoid cross-entropy against the pixel
-  intensities scaled to [0, 1].
+  intensities scaled to [0, 1];
+* ``lm``: ``examples/plain_jax.py``'s plain-``jnp`` transformer (an embedding tied to the head,
+  2 pre-norm blocks under ``lax.scan`` over stacked weights, residual biases, layer norms; its
+  defaults: vocabulary 16, d = 32, 16 positions) on its copy task (each sequence repeats a
+  random pattern of 4 tokens), next-token softmax cross-entropy over every position: per
+  sequence, ``(B, T, V)`` logits.
+
+**kfac-jax** (``kfac_jax.Optimizer``, fixed learning rate, momentum 0.9 and damping, the same
+EMA decay 0.95 and inverse period, its graph matcher registering the layers) runs in its side
+environment (made by ``python benchmarks/kfac_jax_env.py``: jax 0.9.1; ``kfac_jax_side.py race``;
+without it its rows say so) on the same batches from
+the same initial weights, tuned on K-FAC's grid, with the target passed in; it also runs Adam at
+the best Adam learning rate in its own process, so that its time ratio is to an Adam step on
+its own jax. It cannot run the ``lm``: on a dense layer under ``lax.scan`` kfac-jax 0.0.8 raises
+``ValueError: The following parameter indices were not assigned a block`` (tried on a 2-block
+scanned MLP in its side environment); the table says so.
 
 The loss of a run is its batches' loss, a 10-step running mean. The **target** of a problem is
 the best-tuned Adam's final loss; each optimizer's best setting is the one reaching the target
@@ -24,11 +39,10 @@ in the fewest steps, and its wall time to the target is measured (compilation ex
 setting's step is compiled and run once before its timed run). The K-FAC and EKFAC rows also give the
 median time of a step that refreshes the inverses and of one that does not. The settings' runs
 are interleaved (shuffled, seeded) on one process; ``os.getloadavg()`` is reported at the start
-and the end. Not run here: kfac-jax (its curvature update breaks on the jax versions installed
-with vjpkit), the plain-JAX transformer LM.
+and the end.
 
-Usage: ``python benchmarks/curvature_race.py [--quick] [--steps 300] [--problems mlp,cnn,autoencoder]
-[--optimizers adam,sgd,kfac,kfac-every,ekfac] [--out benchmarks/curvature_race.json]
+Usage: ``python benchmarks/curvature_race.py [--quick] [--steps 300] [--problems mlp,cnn,autoencoder,lm]
+[--optimizers adam,sgd,kfac,kfac-every,ekfac,kfac-jax] [--out benchmarks/curvature_race.json]
 [--plot benchmarks/curvature_race.png]``. Needs the
 ``examples`` extra (scikit-learn; matplotlib for ``--plot``).
 """
@@ -46,7 +60,9 @@ import json
 import math
 import pathlib
 import random
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -57,12 +73,18 @@ import optax
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
 
+import plain_jax  # noqa: E402
 from _digits import cnn, load_data  # noqa: E402
+from kfac_jax_env import side_env, side_python, side_reason  # noqa: E402
 
 import vjpkit as vk  # noqa: E402
 from vjpkit import nn  # noqa: E402
 
-PROBLEMS = ("mlp", "cnn", "autoencoder")
+PROBLEMS = ("mlp", "cnn", "autoencoder", "lm")
+KFAC_JAX = "kfac-jax"
+# kfac-jax 0.0.8 on a dense layer under lax.scan (a 2-block scanned MLP, tried in its side
+# environment): "ValueError: The following parameter indices were not assigned a block: {0, 1}"
+KFAC_JAX_CANNOT = {"lm": "not run: kfac-jax assigns no block to a layer under lax.scan (ValueError)"}
 KFAC_EVERY = "K-FAC, statistics every 10"  # make_step(..., curvature_every=10)
 GRIDS = {
     "Adam": [(lr,) for lr in (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)],
@@ -70,17 +92,31 @@ GRIDS = {
     "K-FAC": [(lr, dmp) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0) for dmp in (1e-2, 1e-1)],
     KFAC_EVERY: [(lr, dmp) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0) for dmp in (1e-2, 1e-1)],
     "EKFAC": [(lr, dmp) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0) for dmp in (1e-2, 1e-1)],
+    KFAC_JAX: [(lr, dmp) for lr in (0.003, 0.01, 0.03, 0.1, 0.3, 1.0) for dmp in (1e-2, 1e-1)],
 }
 QUICK_GRIDS = {
     "Adam": [(1e-3,)], "SGD": [(0.1,)], "K-FAC": [(0.1, 1e-1)], KFAC_EVERY: [(0.1, 1e-1)],
-    "EKFAC": [(0.1, 1e-1)],
+    "EKFAC": [(0.1, 1e-1)], KFAC_JAX: [(0.1, 1e-1)],
 }  # fmt: skip
 CURVATURE = ("K-FAC", KFAC_EVERY, "EKFAC")
-NAMES = {"adam": "Adam", "sgd": "SGD", "kfac": "K-FAC", "kfac-every": KFAC_EVERY, "ekfac": "EKFAC"}
+NAMES = {
+    "adam": "Adam", "sgd": "SGD", "kfac": "K-FAC", "kfac-every": KFAC_EVERY, "ekfac": "EKFAC",
+    "kfac-jax": KFAC_JAX,
+}  # fmt: skip
 
 
 def problem(name: str, seed: int):
     """``(loss_fn, params, x, y)`` of the problem: the loss registered for curvature."""
+    if name == "lm":
+        length, period, vocab = 16, 4, 16
+        tokens = plain_jax.make_data(np.random.default_rng(seed), 2048, length, period, vocab)
+        params = plain_jax.init_params(jax.random.key(seed), vocab, 32, 2, length)
+
+        def lm_loss(p, batch):
+            xb, yb = batch  # (B, T) tokens and their next tokens: the loss per sequence
+            return vk.curvature.softmax_cross_entropy(plain_jax.apply(p, xb), yb)
+
+        return lm_loss, params, tokens[:, :-1], tokens[:, 1:]
     (x, y), _ = load_data(seed)
     x = np.asarray(x, np.float32)
     if name == "cnn":
@@ -163,7 +199,7 @@ def race(name: str, steps: int, grids: dict, update_every: int, seed: int, batch
         (jnp.asarray(x[i]), jnp.asarray(y[i]))
         for i in (rng.choice(len(x), batch_size, replace=False) for _ in range(steps))
     ]
-    jobs = [(kind, s) for kind, grid in grids.items() for s in grid]
+    jobs = [(kind, s) for kind, grid in grids.items() if kind != KFAC_JAX for s in grid]
     random.Random(seed).shuffle(jobs)  # the settings' runs interleaved
     runs = {}
     for kind, setting in jobs:
@@ -173,8 +209,27 @@ def race(name: str, steps: int, grids: dict, update_every: int, seed: int, batch
         runs[(kind, setting)] = r
     adam = [r for (k, _), r in runs.items() if k == "Adam"]
     target = float(min(r["smooth"][-1] for r in adam if np.isfinite(r["smooth"][-1])))
+    notes, side_adam = {}, None
+    if KFAC_JAX in grids:
+        if name in KFAC_JAX_CANNOT:
+            notes[KFAC_JAX] = KFAC_JAX_CANNOT[name]
+        else:
+            adams = [(r["smooth"][-1], s[0]) for (k, s), r in runs.items() if k == "Adam"]
+            adam_lr = min((v, lr) for v, lr in adams if np.isfinite(v))[1]
+            side = kfac_jax_runs(name, params, data, grids[KFAC_JAX], update_every, seed, adam_lr)
+            if isinstance(side, str):
+                notes[KFAC_JAX] = side
+            else:
+                for run in side["runs"]:
+                    r = {k: np.asarray(run[k]) for k in ("loss", "seconds")}
+                    runs[(KFAC_JAX, tuple(run["setting"]))] = {**r, "smooth": smooth(r["loss"])}
+                side_adam = {k: np.asarray(side["adam"][k]) for k in ("loss", "seconds")}
+                notes["kfac-jax versions"] = side["versions"]
     rows = {}
     for kind in grids:
+        if kind == KFAC_JAX and kind in notes:
+            rows[kind] = {"note": notes[kind]}
+            continue
         best = None
         for (k, setting), r in runs.items():
             if k != kind:
@@ -195,13 +250,42 @@ def race(name: str, steps: int, grids: dict, update_every: int, seed: int, batch
             "median_step_ms": 1e3 * float(np.median(step_s)),
             "curve": r["smooth"].tolist(),
         }
-        if kind in CURVATURE:  # the step that refreshes the inverses (count % update_every == 0)
+        if kind == KFAC_JAX:  # Adam's steps to the target, timed in kfac-jax's process and jax
+            reach_adam = rows["Adam"]["steps_to_target"]
+            row["adam_seconds_to_target_same_process"] = float(side_adam["seconds"][reach_adam - 1])
+        if kind in (*CURVATURE, KFAC_JAX):  # the step that refreshes the inverses (count % update_every == 0)
             period = math.lcm(update_every, 10) if kind == KFAC_EVERY else update_every
             refresh = np.arange(steps) % period == 0
             row["refresh_step_ms"] = 1e3 * float(np.median(step_s[refresh]))
             row["other_step_ms"] = 1e3 * float(np.median(step_s[~refresh])) if (~refresh).any() else None
         rows[kind] = row
-    return {"problem": name, "target": target, "steps": steps, "rows": rows}
+    return {"problem": name, "target": target, "steps": steps, "rows": rows, "notes": notes}
+
+
+def kfac_jax_runs(name, params, data, grid, update_every, seed, adam_lr) -> dict | str:
+    """kfac-jax's runs on the problem in its side environment (``kfac_jax_side.py race``), or why
+    there are none."""
+    python = side_python(create=False)  # made by `python benchmarks/kfac_jax_env.py`, never here
+    if python is None:
+        return f"not run: no kfac-jax side environment ({side_reason(create=False)})"
+    layers = [params[k] for k in sorted(params) if isinstance(params[k], dict) and "weight" in params[k]]
+    arrays = {f"w{i}": np.asarray(p["weight"]) for i, p in enumerate(layers)}
+    arrays.update({f"b{i}": np.asarray(p["bias"]) for i, p in enumerate(layers)})
+    arrays.update(
+        problem=np.asarray(name), x=np.stack([np.asarray(b[0]) for b in data]),
+        y=np.stack([np.asarray(b[1]) for b in data]), grid=np.asarray(grid, np.float64),
+        update_every=np.asarray(update_every), adam_lr=np.asarray(adam_lr), seed=np.asarray(seed),
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        inp, out = pathlib.Path(tmp, "in.npz"), pathlib.Path(tmp, "out.json")
+        np.savez(inp, **arrays)
+        proc = subprocess.run(
+            [python, str(HERE / "kfac_jax_side.py"), "race", "--in", str(inp), "--out", str(out)],
+            capture_output=True, text=True, env=side_env(), timeout=3600,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            return f"not run: kfac_jax_side.py race failed: {proc.stderr.strip().splitlines()[-1:]}"
+        return json.loads(out.read_text())
 
 
 def markdown(results: list[dict]) -> str:
@@ -212,12 +296,15 @@ def markdown(results: list[dict]) -> str:
     ]
     for res in results:
         for kind, r in res["rows"].items():
+            if "note" in r:
+                lines.append(f"| {res['problem']} | {res['target']:.4f} | {kind} | {r['note']} | | | | | |")
+                continue
             setting = ", ".join(f"{v:g}" for v in r["setting"])
             steps = "—" if r["steps_to_target"] is None else str(r["steps_to_target"])
             secs = "—" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
             split = (
                 f"{r['refresh_step_ms']:.1f} / {r['other_step_ms']:.1f}"
-                if kind in CURVATURE and r.get("other_step_ms") is not None
+                if kind in (*CURVATURE, KFAC_JAX) and r.get("other_step_ms") is not None
                 else ""
             )
             lines.append(
@@ -236,6 +323,8 @@ def plot(results: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.4), squeeze=False)
     for ax, res in zip(axes[0], results):
         for kind, r in res["rows"].items():
+            if "curve" not in r:
+                continue
             ax.plot(np.arange(1, len(r["curve"]) + 1), r["curve"], label=kind, lw=1)
         ax.axhline(res["target"], color="grey", lw=0.8, ls="--")
         ax.set_yscale("log")

@@ -29,6 +29,17 @@ Modes:
   steps, the default) and with the adaptive learning rate, momentum and damping of kfac-jax's
   README (``--no-optimizer`` skips both). It reports the median milliseconds, the medians of
   the per-round ratios to ``value_and_grad``, and the versions (jax, jaxlib, kfac_jax, optax).
+* ``race --in X.npz --out Z.json``: ``curvature_race.py``'s kfac-jax runs. ``X.npz`` holds the
+  ``problem`` (``mlp``, ``cnn`` or ``autoencoder``), its layers' ``w{i}``, ``b{i}`` in order
+  (dense ``(in, out)``, conv HWIO), the batches ``x (steps, B, 8, 8, 1)`` and ``y``, the
+  ``grid`` of ``(learning rate, damping)``, ``update_every``, ``adam_lr`` and ``seed``. Each
+  setting trains a ``kfac_jax.Optimizer`` (fixed learning rate, momentum 0.9 and damping,
+  ``curvature_ema`` 0.05, i.e. vjpkit's decay 0.95, inverses every ``update_every`` steps, the
+  layers found by its graph matcher, the loss registered as vjpkit's: softmax cross-entropy,
+  or sigmoid cross-entropy averaged over the pixels too) from the same weights on the same
+  batches, then ``optax.adam(adam_lr)`` runs the same way, all in this process; each run is
+  compiled and stepped twice before it is timed. It writes each run's losses and cumulative
+  seconds.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import kfac_jax
 import numpy as np
+import optax
 
 MODES = ("ggn_exact", "fisher_exact", "fisher_gradients", "fisher_gradients_m")
 
@@ -364,6 +376,120 @@ def cmd_bench(args):
     print(json.dumps(res))
 
 
+def race_model(problem, params):
+    """``(loss(params, batch), value(params, batch))`` of a race problem, as curvature_race.py
+    builds it with vjpkit.nn (dense ``x @ w + b``, conv SAME NHWC/HWIO, 2x2 average pool)."""
+
+    def forward(params, x):
+        if problem == "cnn":
+            h = x
+            for w, b in params[:2]:
+                dims = ("NHWC", "HWIO", "NHWC")
+                h = jax.lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=dims)
+                h = jax.nn.relu(h + b)
+            h = jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4.0
+            w, b = params[2]
+            return h.reshape(h.shape[0], -1) @ w + b
+        h = x.reshape(x.shape[0], -1)
+        for i, (w, b) in enumerate(params):
+            h = h @ w + b
+            last = i + 1 == len(params)
+            if problem == "mlp" and not last:
+                h = jax.nn.relu(h)
+            elif problem == "autoencoder" and not last and w.shape[1] != 30:  # a linear code layer
+                h = jax.nn.sigmoid(h)
+        return h
+
+    def loss(params, batch):
+        x, y = batch
+        out = forward(params, x)
+        if problem == "autoencoder":  # vjpkit's: the mean over the examples and the pixels
+            kfac_jax.register_sigmoid_cross_entropy_loss(out, y, weight=1.0 / out.shape[1])
+            return jnp.mean(jax.nn.softplus(out) - y * out)
+        kfac_jax.register_softmax_cross_entropy_loss(out, y)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out, axis=-1), y[:, None], axis=-1))
+
+    return loss
+
+
+def cmd_race(args):
+    data = np.load(args.inp)
+    problem = str(data["problem"])
+    count = len([k for k in data.files if k.startswith("w")])
+    params = [(jnp.asarray(data[f"w{i}"]), jnp.asarray(data[f"b{i}"])) for i in range(count)]
+    xs, ys = data["x"], data["y"]
+    batches = [(jnp.asarray(x), jnp.asarray(y)) for x, y in zip(xs, ys)]
+    loss = race_model(problem, params)
+    value_and_grad = jax.value_and_grad(loss)
+    update_every, seed = int(data["update_every"]), int(data["seed"])
+
+    def kfac_run(lr, damping):
+        opt = kfac_jax.Optimizer(
+            value_and_grad_func=value_and_grad,
+            l2_reg=0.0,
+            learning_rate_schedule=lambda t: lr,
+            momentum_schedule=lambda t: 0.9,
+            damping_schedule=lambda t: damping,
+            curvature_ema=0.05,
+            inverse_update_period=update_every,
+            multi_device=False,
+            num_burnin_steps=0,
+        )
+
+        def fresh():
+            p = jax.tree.map(jnp.copy, params)
+            return {"params": p, "state": opt.init(p, jax.random.PRNGKey(seed), batches[0]), "step": 0}
+
+        def step(h, batch, key):
+            p, s, stats = opt.step(h["params"], h["state"], key, batch=batch, global_step_int=h["step"])
+            h.update(params=p, state=s, step=h["step"] + 1)
+            return stats["loss"]
+
+        return fresh, step
+
+    def adam_run(lr):
+        opt = optax.adam(lr)
+
+        @jax.jit
+        def update(p, s, batch):
+            value, g = value_and_grad(p, batch)
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s, value
+
+        def fresh():
+            p = jax.tree.map(jnp.copy, params)
+            return {"params": p, "state": opt.init(p)}
+
+        def step(h, batch, key):
+            p, s, value = update(h["params"], h["state"], batch)
+            h.update(params=p, state=s)
+            return value
+
+        return fresh, step
+
+    def timed(fresh, step):
+        keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(batches))
+        h = fresh()
+        for k in range(2):  # compile (the refresh step and the other one); not timed, not kept
+            jax.block_until_ready(step(h, batches[k], keys[k]))
+        h = fresh()
+        losses, ends = [], []
+        start = time.perf_counter()
+        for batch, key in zip(batches, keys):
+            losses.append(float(step(h, batch, key)))  # waits for the step
+            ends.append(time.perf_counter() - start)
+        return {"loss": losses, "seconds": ends}
+
+    runs = []
+    for lr, damping in data["grid"]:
+        runs.append({"setting": [float(lr), float(damping)], **timed(*kfac_run(float(lr), float(damping)))})
+    adam = timed(*adam_run(float(data["adam_lr"])))
+    res = {"problem": problem, "runs": runs, "adam": adam, "versions": versions()}
+    with open(args.out, "w") as f:
+        json.dump(res, f)
+    print(json.dumps({"problem": problem, "runs": len(runs)}))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -377,8 +503,11 @@ def main(argv=None):
     b.add_argument("--rounds", type=int, default=11)
     b.add_argument("--block", type=int, default=20)
     b.add_argument("--no-optimizer", action="store_true", help="skip the Optimizer.step rows")
+    r = sub.add_parser("race", help="curvature_race.py's kfac-jax runs on one problem")
+    r.add_argument("--in", dest="inp", required=True)
+    r.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    {"factors": cmd_factors, "bench": cmd_bench}[args.cmd](args)
+    {"factors": cmd_factors, "bench": cmd_bench, "race": cmd_race}[args.cmd](args)
 
 
 if __name__ == "__main__":
