@@ -115,3 +115,45 @@ def test_fit_takes_curvature_every():
         loss_fn, opt, params, [batch] * 6, capture=spec, curvature_every=4, progress=False
     )
     tree_allclose(fitted.params, state.params, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_fit_dispatches_two_programs_on_the_host(monkeypatch):
+    """``fit(curvature_every=3)``, one step per dispatch, runs make_step's two programs (each
+    traced once) chosen on the host, and equals ``fit`` with the ``lax.cond`` inside a scanned
+    program (``scan_steps=2``); the records are NaN exactly on the steps without statistics."""
+    from vjpkit.train import _fit
+
+    loss_fn, params, batch = _problem()
+    spec = vk.curvature.stats("*", ["kfac"])
+    grad_fn = vk.value_and_grad(loss_fn, capture=spec)
+    like = jax.eval_shape(lambda p: grad_fn(p, batch, key=jax.random.key(0))[1], params)
+    opt = vk.curvature.kfac(0.1, like=like, damping=0.1, update_every=3)
+    traced, real = [], _fit.build_step
+
+    def spy(*args, **kwargs):
+        fn = real(*args, **kwargs)
+
+        def step(state, b):
+            traced.append(kwargs.get("phase"))
+            return fn(state, b)
+
+        return step
+
+    monkeypatch.setattr(_fit, "build_step", spy)
+    seen = {}
+    hosted, _ = vk.train.fit(
+        loss_fn, opt, params, [batch] * 6, capture=spec, curvature_every=3, progress=False,
+        on_records=lambda t, rec: seen.setdefault(t, rec),
+    )  # fmt: skip
+    assert traced.count("stats") == 1 and traced.count("plain") == 1, traced
+    assert sorted(seen) == list(range(6))
+    for t, rec in seen.items():
+        assert np.isnan(jax.tree.leaves(rec)[0]).all() == (t % 3 != 0), t
+    before = len(traced)
+    scanned, _ = vk.train.fit(
+        loss_fn, opt, params, [batch] * 6, capture=spec, curvature_every=3, scan_steps=2, progress=False
+    )
+    assert set(traced[before:]) == {None}  # the scanned program runs the cond
+    tree_allclose(hosted.params, scanned.params, rtol=1e-5, atol=1e-7)
+    tree_allclose(hosted.opt_state, scanned.opt_state, rtol=1e-5, atol=1e-7)

@@ -40,7 +40,7 @@ from ..inspect._nonfinite import first_nonfinite
 from ._data import ArrayBatches, check_batch, make_batches
 from ._distributed import gather, multi, primary
 from ._state import TrainState
-from ._step import _wants_key, build_step, check_optimizer, init_hook_state
+from ._step import _kfac_states, _wants_key, build_step, check_optimizer, init_hook_state
 
 
 def _positive(name: str, value: Any, allow_none: bool = True) -> None:
@@ -134,7 +134,11 @@ def fit(
         hooks: layer hooks (see ``vk.grad``); stateful ones are threaded in ``state.hook_state``.
         capture: capture spec(s) (see ``vk.capture``); each step's records go to ``on_records``.
         curvature_every: ``vk.curvature.stats`` on every ``curvature_every``-th step only, as in
-            ``make_step`` (the other steps' records are NaN).
+            ``make_step`` (the other steps' records are NaN). One step per dispatch
+            (``scan_steps=1``) runs one of two compiled programs, chosen on the host by K-FAC's
+            update count (one scalar read per step), as ``make_step`` does; ``scan_steps > 1``
+            keeps the ``lax.cond`` inside the scanned program (XLA:CPU compiles convolutions in
+            its branches slowly).
         scan_steps: steps per dispatch; more than 1 runs them in one ``lax.scan``.
         eval_fn: ``eval_fn(params) -> dict of numbers``, called every ``eval_every`` steps.
         eval_every: steps between evaluations (and at the end).
@@ -238,14 +242,28 @@ def fit(
         curvature_every=curvature_every,
     )  # fmt: skip
     jax.eval_shape(step_fn, state, first)  # every trace-time check, before any compile
-    if mesh is not None:  # the state stays replicated: every process can read it, one program
-        step_fn = _keep_replicated(step_fn, _replicated(mesh))
+    # curvature_every > 1, one step per dispatch: a statistics program and a plain one, chosen on
+    # the host (make_step's reason: jax#12868, XLA:CPU's convolutions inside a lax.cond)
+    phases = (
+        {ph: build_step(loss_fn, optimizer, hooks=hooks, capture=capture, nan_policy=nan_policy,
+                        report_finite=True, curvature_every=curvature_every, phase=ph)
+         for ph in ("stats", "plain")}
+        if curvature_every > 1 and scan_steps == 1 and _kfac_states(state) else {}
+    )  # fmt: skip
     unpack: list = []  # the records' unpack function, set when the step is traced
-    if on_records is not None:
-        # several processes: the records are gathered inside the step, to every process (one
-        # compiled program for all), and process 0 hands them to on_records
-        everywhere = mesh is not None and multi()
-        step_fn = _packing(step_fn, unpack, _replicated(mesh) if everywhere else None)
+
+    def wrapped(fn: Callable) -> Callable:
+        if mesh is not None:  # the state stays replicated: every process can read it, one program
+            fn = _keep_replicated(fn, _replicated(mesh))
+        if on_records is not None:
+            # several processes: the records are gathered inside the step, to every process (one
+            # compiled program for all), and process 0 hands them to on_records
+            everywhere = mesh is not None and multi()
+            fn = _packing(fn, unpack, _replicated(mesh) if everywhere else None)
+        return fn
+
+    step_fn = wrapped(step_fn)
+    phases = {ph: wrapped(fn) for ph, fn in phases.items()}
     del first  # an iterable's first batch is handed to the loop; keep no extra reference
     if not primary():  # process 0 prints, logs and calls on_records
         on_records = on_metrics = None
@@ -278,6 +296,8 @@ def fit(
             batches,
             step_fn,
             loss_fn,
+            phases=phases,
+            curvature_every=curvature_every,
             put=_placer(mesh, local_data),
             steps=steps,
             scan_steps=scan_steps,
@@ -438,6 +458,8 @@ def _loop(
     step_fn: Callable,
     loss_fn: Callable,
     *,
+    phases: dict,
+    curvature_every: int,
     put: Callable,
     steps: int | None,
     scan_steps: int,
@@ -454,6 +476,14 @@ def _loop(
     log_every: int,
 ) -> tuple[TrainState, dict]:
     single = jax.jit(step_fn, donate_argnums=0)
+    if phases:  # make_step's host dispatch: K-FAC's count read on the host, one program each
+        programs = {ph: jax.jit(fn, donate_argnums=0) for ph, fn in phases.items()}
+
+        def single(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+            # replicated over every process: each reads its own copy and picks the same program
+            count = int(np.asarray(_kfac_states(state)[0].count.addressable_data(0)))
+            return programs["stats" if count % curvature_every == 0 else "plain"](state, batch)
+
     scanned = (
         jax.jit(lambda s, bs: jax.lax.scan(step_fn, s, bs), donate_argnums=0) if scan_steps > 1 else None
     )
