@@ -487,6 +487,23 @@ def _name(keys: Sequence[str], weight: str | None, long: frozenset = frozenset()
     return name, [k[len(name) + 1 :] for k in keys]
 
 
+def _transposed_back(eqn: Any, joined: list, eqns: list) -> bool:
+    """``W @ x`` (the weight the left operand, no batch dimensions) whose output is transposed at
+    once into the input's free axes then the weight's: ``x @ W.T``, a dense layer with a stored
+    ``(out, in)`` weight (``jax.vmap`` of Equinox's ``Linear``, ``weight @ x + bias``)."""
+    if not joined or eqns[joined[0]].primitive.name != "transpose":
+        return False
+    if eqns[joined[0]].invars[0] is not eqn.outvars[0]:
+        return False
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if lb or rb:
+        return False
+    n_w = eqn.invars[0].aval.ndim - len(lc)  # the output: the weight's free axes, then the input's
+    n_x = eqn.invars[1].aval.ndim - len(rc)
+    perm = tuple(int(k) for k in eqns[joined[0]].params["permutation"])
+    return perm == (*range(n_w, n_w + n_x), *range(n_w))
+
+
 def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
     """A ``LayerKind`` the per-example fast paths read: dense or conv when the span is the
     canonical ``x @ W + b`` / NHWC-HWIO convolution of its leaves as they are, else local. A
@@ -498,13 +515,14 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
     if name not in ("dot_general", "conv_general_dilated"):
         return LayerKind("local")  # a norm's affine: the local path is theirs
     why: list[str] = []  # what has no fast path, in words
-    if w != 1:
+    back = w != 1 and name == "dot_general" and _transposed_back(eqn, joined, eqns)
+    if w != 1 and not back:
         if name != "dot_general":
             return LayerKind("local", note=f"{name} with the parameter as its input, not its kernel")
         why.append("with the weight as its left operand (W @ x)")
     extra = body - {i, *joined}
     bias = [j for j in joined if eqns[j].primitive.name == "add"]
-    if len(joined) != len(bias):
+    if len(joined) != len(bias) + back:
         why.append("followed by a transpose of its output")
     roles, allowed = {}, set()
     if bias:
