@@ -254,3 +254,26 @@ def test_no_walker_reads_program_structure_by_primitive_name():
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("scan_split"):
                 found.append(f"{where}: {ast.unparse(node)}")
     assert not found, found
+
+
+def test_programs_in_a_tuple_param_are_not_guessed_calls():
+    """``custom_linear_solve`` holds its matvec, vecmat, solve and transpose solve in one
+    (named)tuple param: none of them is the equation's call (vecmat has the equation's arity),
+    so no walker follows one as if it ran on the operands; replacing one keeps the namedtuple."""
+
+    def solve(mv, b):
+        return b - jnp.mean(b, axis=0)  # mixes the examples
+
+    def f(h):
+        return jax.lax.custom_linear_solve(lambda v: v * 2.0, h, solve=solve, transpose_solve=solve)
+
+    (eqn,) = [
+        e for e in jax.make_jaxpr(f)(jnp.ones((4, 3))).jaxpr.eqns if e.primitive.name == "custom_linear_solve"
+    ]
+    nest = _engine.nested(eqn)
+    assert nest and {n.kind for n in nest} == {"opaque"} and all(n.ins is None for n in nest)
+    assert _engine.call_program(eqn) is None and _engine.call_program(eqn, forward=True) is None
+    first = nest[0]
+    new = _engine.with_programs(eqn, {first: nest[1].program})
+    assert type(new.params[first.key]) is type(eqn.params[first.key])
+    assert new.params[first.key][first.index] is nest[1].program

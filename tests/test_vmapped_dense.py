@@ -142,3 +142,38 @@ def test_equinox_linear_under_vmap():
     _, want = vk.grad(batched_loss, capture=spec)(same, x, y, key=jax.random.key(5))
     for (_, c), w in zip(sorted(got.items()), (want["l1"], want["l2"])):
         tree_allclose(c.kfac, w.kfac, rtol=1e-5, atol=1e-6)
+
+
+def _per_position_bias(vmapped: bool):
+    """A "bias" over the positions, not the output features (``T == out``, so shapes cannot
+    tell): ``W @ x_t + b_t`` per position, or ``x @ W.T + b[:, None]`` batched. Not a dense
+    layer's bias: the call is a local layer (before, the batched form was read as dense with a
+    bias block of the wrong axis: NaN per-example norms, meaningless factors)."""
+    t = 3
+
+    def loss(p, x, y):
+        if vmapped:
+            inner = jax.vmap(lambda xt, bt: p["l1"]["weight"] @ xt + bt)
+            h = jax.vmap(inner, in_axes=(0, None))(x, p["l1"]["bias"])
+        else:
+            h = x @ p["l1"]["weight"].T + p["l1"]["bias"][:, None]
+        return vk.curvature.softmax_cross_entropy(jnp.tanh(h).sum(1), y)
+
+    k = jax.random.split(jax.random.key(6), 3)
+    params = {"l1": {"weight": jax.random.normal(k[0], (t, 5)) * 0.4, "bias": jnp.arange(t, dtype=jnp.float32) * 0.3}}
+    x, y = jax.random.normal(k[1], (6, t, 5)), jax.random.randint(k[2], (6,), 0, 3)
+    return loss, params, x, y
+
+
+@pytest.mark.parametrize("vmapped", [True, False], ids=["vmapped", "batched"])
+def test_a_bias_over_another_axis_is_not_a_dense_bias(vmapped):
+    loss, params, x, y = _per_position_bias(vmapped)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the local path's note
+        _, _, norms = vk.inspect.per_example_grad_norms(loss)(params, x, y)
+    one = jax.grad(lambda p, xi, yi: loss(p, xi[None], yi[None]))
+    per = jax.vmap(one, in_axes=(None, 0, 0))(params, x, y)
+    want = jnp.sqrt(sum(jnp.sum(jnp.square(v.reshape(6, -1)), axis=1) for v in jax.tree.leaves(per)))
+    np.testing.assert_allclose(np.asarray(norms.total), np.asarray(want), rtol=1e-5, atol=1e-6)
+    _, got = vk.grad(loss, capture=vk.curvature.stats("*", ["kfac"]))(params, x, y, key=jax.random.key(7))
+    assert type(got["l1"].kfac).__name__ == "Diagonal", got["l1"].kfac

@@ -504,6 +504,27 @@ def _transposed_back(eqn: Any, joined: list, eqns: list) -> bool:
     return perm == (*range(n_w, n_w + n_x), *range(n_w))
 
 
+def _trailing(src: tuple, eqns: list, out: Any) -> bool:
+    """Whether a bias leaf reaches the output ``out`` on its last axes only: through casts,
+    reshapes that add or drop leading 1s, and ``broadcast_in_dim`` s onto trailing axes (a
+    per-position ``b[:, None]`` or per-example "bias" does not)."""
+    leaf, between = src
+    for k in between:
+        e = eqns[k]
+        if e.primitive.name == "broadcast_in_dim":
+            n_in, n_out = e.invars[0].aval.ndim, e.outvars[0].aval.ndim
+            if tuple(int(d) for d in e.params["broadcast_dimensions"]) != tuple(range(n_out - n_in, n_out)):
+                return False
+        elif e.primitive.name == "reshape":
+            strip = lambda sh: tuple(sh)[next((k for k, d in enumerate(sh) if d != 1), len(sh)) :]
+            if strip(e.invars[0].aval.shape) != strip(e.outvars[0].aval.shape):
+                return False
+        elif e.primitive.name not in _CASTS:
+            return False
+    shape = tuple(leaf.aval.shape)
+    return len(shape) >= 1 and tuple(out.aval.shape[len(out.aval.shape) - len(shape) :]) == shape
+
+
 def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
     """A ``LayerKind`` the per-example fast paths read: dense or conv when the span is the
     canonical ``x @ W + b`` / NHWC-HWIO convolution of its leaves as they are, else local. A
@@ -531,6 +552,8 @@ def _kind(eqn, w, joined, eqns, roles_of, body, i) -> Any:
         src = _broadcast_source(b, eqns, extra)
         if src is None or src[0] not in roles_of:
             why.append("with a bias that is not a parameter leaf (broadcast)")
+        elif not _trailing(src, eqns, eqns[bias[0]].outvars[0]):
+            why.append("with a bias not broadcast onto the output's last axes")
         else:
             roles[roles_of[src[0]]] = "bias"
             allowed = src[1]

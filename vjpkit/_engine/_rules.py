@@ -141,7 +141,9 @@ def _nest_generic(eqn: Any, call: bool) -> tuple[Nested, ...]:
     n_in, n_out = len(eqn.invars), len(eqn.outvars)
     for key, index, value in _found(eqn):
         j = _open(value)
-        if len(j.invars) == n_in and len(j.outvars) == n_out:
+        # only a program held as a param of its own is guessed by arity (a tuple's programs,
+        # custom_linear_solve's matvec / solve / ..., run on operands they do not list as such)
+        if index is None and len(j.invars) == n_in and len(j.outvars) == n_out:
             kind = "call" if call and not any(m.kind == "call" for m in out) else "opaque"
             out.append(Nested(key, index, value, kind, tuple(range(n_in)), "=" * n_in))
         else:
@@ -451,7 +453,8 @@ def with_programs(eqn: Any, new: dict) -> Any:
         else:
             items = list(params[n.key])
             items[n.index] = v
-            params[n.key] = type(eqn.params[n.key])(items)
+            kind = type(eqn.params[n.key])  # a namedtuple (custom_linear_solve's) by its _make
+            params[n.key] = kind._make(items) if hasattr(kind, "_make") else kind(items)
     return eqn.replace(params=params)
 
 
