@@ -160,7 +160,8 @@ def _per_position_bias(vmapped: bool):
         return vk.curvature.softmax_cross_entropy(jnp.tanh(h).sum(1), y)
 
     k = jax.random.split(jax.random.key(6), 3)
-    params = {"l1": {"weight": jax.random.normal(k[0], (t, 5)) * 0.4, "bias": jnp.arange(t, dtype=jnp.float32) * 0.3}}
+    bias = jnp.arange(t, dtype=jnp.float32) * 0.3
+    params = {"l1": {"weight": jax.random.normal(k[0], (t, 5)) * 0.4, "bias": bias}}
     x, y = jax.random.normal(k[1], (6, t, 5)), jax.random.randint(k[2], (6,), 0, 3)
     return loss, params, x, y
 
