@@ -435,6 +435,11 @@ _RULES = {
 # --------------------------------------------------------------------------------------------
 
 
+def elementwise(eqn: Any) -> bool:
+    """Whether ``eqn`` acts on each entry alone (size-1 axes of its operands broadcast)."""
+    return eqn.primitive.name in _ELEMENTWISE
+
+
 def is_affine(jaxpr: Any, w: Any, b: Any, x: Any) -> bool:
     """Whether ``jaxpr``'s one output is exactly ``x @ w`` (+ ``b`` broadcast over the leading
     axes) for its input variables ``w (in, out)``, ``b (out,)`` (or ``None``) and ``x (..., in)``,

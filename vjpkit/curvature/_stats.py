@@ -288,8 +288,9 @@ def local_stats(
     where: str,
     axis: int = 0,
 ) -> dict[str, Any]:
-    """The statistics of a layer with no K-FAC rule, from ``per_example(g) -> {leaf: (N, ...)}``,
-    its per-example parameter gradients for output cotangents ``g`` (examples on ``axis``). Its
+    """The statistics of a layer with no K-FAC rule, from ``per_example`` (a ``_local.PerExample``:
+    its per-example gradients' squares summed, and squared norms, for output cotangents ``g``
+    with the examples on ``axis``). Its
     K-FAC fields are its diagonal block (``Diagonal``) of the same curvature."""
     factors = [s for s in which if s in BLOCKS]
     if d.shape[axis] != n:
@@ -302,8 +303,7 @@ def local_stats(
 
     def square_sum(seeds):  # sum over seeds and examples of the squared per-example gradients
         def body(acc, g):
-            pe = per_example(g)
-            return jax.tree.map(lambda a, p: a + jnp.sum(jnp.square(p.astype(dtype)), axis=0), acc, pe), None
+            return jax.tree.map(lambda a, s: a + s, acc, per_example.sum_sq(g, dtype)), None
 
         zero = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
         return _over_seeds(body, zero, seeds)
@@ -323,10 +323,7 @@ def local_stats(
                 lambda s, g: _variance(s, g.astype(dtype), n), sgs, grad_params
             )
     if "batch_l2" in which:
-        pe = per_example(d)
-        out["batch_l2"] = jax.tree.map(
-            lambda p: jnp.sum(jnp.square(p.astype(dtype)).reshape(p.shape[0], -1), axis=1), pe
-        )
+        out["batch_l2"] = per_example.sq_norms(d, dtype)
     blocks = {  # the diagonal block of each K-FAC estimator asked for (see _types)
         "kflr": lambda: out["diag_ggn"],
         "kfac": lambda: out["diag_ggn_mc"],

@@ -30,14 +30,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from .. import _autodiff, _capture, _compat, _engine, _format
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError
 from .._kinds import AffineNorm, LayerKind
 from .._names import matches_any
-from . import _examples, _losses
+from . import _examples, _local, _losses
 from ._stats import (
     BLOCKS,
     DIAGONAL,
@@ -412,41 +411,6 @@ def _stacked_stats(which, rule, rec, exact, mc, n, n_scans, key, axis=0, max_dim
     return fn(rec.params, rec.grad_params, rec.input, rec.grad_output, ex, sm)
 
 
-def _masked_per_example(site: Any) -> Callable | None:
-    """``linearize(params, x)``, which gives ``per_example(g)``: the call's per-example parameter
-    gradients, the vjp of its own computation (linearized once, whatever the number of seeds)
-    at ``g`` masked to one example at a time (exact for any layer whose examples do not mix);
-    ``None`` when the call closes over values its record does not hold."""
-    layout = site.layout
-    kwargs_tree = layout.tree.children()[2]
-    if layout.n_hoisted or kwargs_tree.num_leaves or len(site.eqn.outvars) != 1:
-        return None
-    fn = jcore.jaxpr_as_fun(site.span.jaxpr)
-    single = len(layout.tree.children()[1].children()) == 1
-
-    def linearize(params, x, axis=0):
-        inputs = (x,) if single else tuple(x)
-        kwargs = jax.tree.unflatten(kwargs_tree, [])
-
-        def f(p):
-            return fn(*layout.join([], p, inputs, kwargs))[0]
-
-        _, pull = jax.vjp(f, params)
-
-        def per_example(g):
-            examples = jnp.arange(g.shape[axis])
-
-            def one(i):
-                mask = jnp.expand_dims(examples == i, [d for d in range(g.ndim) if d != axis])
-                return pull(jnp.where(mask, g, 0).astype(g.dtype))[0]
-
-            return jax.vmap(one)(examples)
-
-        return per_example
-
-    return linearize
-
-
 def _flat(tree: Any, is_leaf: Any = None) -> dict[str, Any]:
     return {_format.path(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf)[0]}
 
@@ -537,7 +501,7 @@ def _rule(site: Any, paths: list, spec: StatsSpec, transform: str) -> Any:
             else "a layer of no known kind"
         )  # fmt: skip
         per_example = (
-            None if isinstance(kind, LayerKind) and kind.kind == "batch" else _masked_per_example(site)
+            None if isinstance(kind, LayerKind) and kind.kind == "batch" else _local.per_example_for(site)
         )
         if per_example is None:
             raise ConfigError(

@@ -23,7 +23,8 @@ The statistics (every function takes the list of one leaf's ``Rows``):
 * ``weighted_sum(rows, c)``: ``sum_i c_i g_i`` in the leaf's layout (``c = 1``: the batch
   gradient; DP-SGD's clipped sum), never forming a ``g_i``.
 * ``sum_sq``: ``sum_i g_i**2`` elementwise (BackPACK's ``SumGradSquared``, the diagonal GGN
-  from seeded cotangents): ``(a*a)^T (b*b)`` with one row per example, else the ``g_i``
+  from seeded cotangents): ``(a*a)^T (b*b)`` with one row per example; for one lookup, each
+  row times the sum of the example's rows at the same index (``B x R^2``); else the ``g_i``
   formed in chunks of examples.
 * ``materialize``: ``g_i`` stacked, ``(B, *leaf)``; ``reduced``: ``(||g_i||^2, sum_i g_i)`` only
   when ``sq_norms`` must form the ``g_i`` (else None), so that a caller needing the batch
@@ -260,11 +261,12 @@ def _oriented(rows: Sequence[Rows]) -> list[Rows] | None:
 def _gram(u: Any, v: Any) -> jax.Array:
     """``(B, R_u, R_v)``: per example, the inner products of the rows of ``u`` and ``v``."""
     if isinstance(u, OneHot) and isinstance(v, OneHot):
-        g = (u.index[:, :, None] == v.index[:, None, :]).astype(jnp.float32)
+        weights = [w for w in (u.weight, v.weight) if w is not None]
+        g = (u.index[:, :, None] == v.index[:, None, :]).astype(weights[0].dtype if weights else jnp.float32)
         if u.weight is not None:
-            g = g * u.weight[:, :, None]
+            g = g * u.weight[:, :, None].astype(g.dtype)
         if v.weight is not None:
-            g = g * v.weight[:, None, :]
+            g = g * v.weight[:, None, :].astype(g.dtype)
         return g
     if isinstance(u, OneHot):
         return jnp.swapaxes(_gram(v, u), 1, 2)
@@ -408,9 +410,23 @@ def sum_sq(rows: Sequence[Rows]) -> jax.Array:
             return _to_leaf(_scatter(sq, jnp.square(r.b)), r)
         return _to_leaf(jnp.square(a[:, 0]).T @ jnp.square(r.b[:, 0]), r)
     size, batch = math.prod(rows[0].shape), int(rows[0].b.shape[0])
+    if len(rows) == 1 and isinstance(rows[0].a, OneHot) and batch * rows[0].n_rows ** 2 <= _CHUNK:
+        return _to_leaf(_lookup_sum_sq(rows[0]), rows[0])
     if batch * size <= _CHUNK and all(not isinstance(r.a, OneHot) for r in rows):
         return jnp.sum(jnp.square(materialize(rows)), axis=0)
     return jnp.sum(_examples(rows, jnp.square), axis=0)
+
+
+def _lookup_sum_sq(r: Rows) -> jax.Array:
+    """``sum_i g_i**2`` of one lookup, ``(size, n)``: ``g_i``'s entry at a row of the table is the
+    sum of the example's rows reading it, so its square is ``sum_r w_r b_r * c_r`` over those
+    rows, ``c_r`` the sum of the rows sharing ``r``'s index (``B x R^2`` floats, never the table
+    per example)."""
+    a = r.a
+    wb = r.b if a.weight is None else r.b * a.weight[..., None].astype(r.b.dtype)
+    same = (a.index[:, :, None] == a.index[:, None, :]).astype(r.b.dtype)
+    c = jnp.einsum("brs,bsn->brn", same, wb)
+    return jax.ops.segment_sum((wb * c).reshape(-1, r.n), a.index.reshape(-1), num_segments=a.size)
 
 
 def check(rows: Sequence[Rows], batch_grad: jax.Array, tol: float) -> jax.Array:
