@@ -19,6 +19,9 @@ median over rounds of the per-round ratio to the gradient row:
 * whole jitted training steps (gradient, update, ``optax.apply_updates``), 20 per timed call
   with the state threaded, against an ``optax.sgd`` (momentum 0.9) step: a K-FAC preconditioning step with
   cached inverses and no statistics (``kfac(...).update(..., curvature=None)``), target <= 1.3x;
+  the same step in the records form (the gradient's rows captured, ``stats("*", ["grad_rows"])``,
+  each layer preconditioned as ``(a A^-1)^T (d G^-1)`` where that is cheaper), target <= 2.1x
+  (issue 32; the 1.3x above is an older, stricter target);
   a K-FAC step with the statistics every step and an eigendecomposition every 20 steps
   (``solver="eigh"``, amortised over the 20), target <= 3x.
 
@@ -80,6 +83,7 @@ TARGETS = {
     ("cnn", "diag_ggn_mc"): 2.0,
     ("mlp_mnist", "kfac step, cached inverses"): 1.3,
     ("cnn", "kfac step, cached inverses"): 1.3,
+    ("mlp_mnist", "kfac step, cached inverses, records form"): 2.1,
     ("mlp_mnist", "kfac step, statistics + eigh every 20"): 3.0,
     ("cnn", "kfac step, statistics + eigh every 20"): 3.0,
 }
@@ -129,6 +133,7 @@ def _optimizer_rows(loss, params, x, y, captured):
         return {}
     spec = vk.curvature.stats("*", ["kfac"])
     with_stats = vk.value_and_grad(loss, capture=spec)
+    with_rows = vk.value_and_grad(loss, capture=vk.curvature.stats("*", ["grad_rows"]))
 
     key = jax.random.key(2)
 
@@ -139,7 +144,9 @@ def _optimizer_rows(loss, params, x, y, captured):
         # first layer's A = x^T x into the program at compile time, and the row would not pay it
         @functools.partial(jax.jit, donate_argnums=(0, 1))
         def one(p, s, k, x, y):
-            if stats:
+            if stats == "rows":  # the gradient's rows only: the records form, no statistics
+                (_, g), c = with_rows(p, x, y)
+            elif stats:
                 (_, g), c = with_stats(p, x, y, key=k)
             else:
                 g, c = jax.grad(loss)(p, x, y), None
@@ -162,6 +169,7 @@ def _optimizer_rows(loss, params, x, y, captured):
     grads = jax.jit(jax.grad(loss))(params, x, y)  # jitted: eagerly, every op would compile alone
     for name, kw, stats in (
         ("kfac step, cached inverses", dict(update_every=10**9), False),
+        ("kfac step, cached inverses, records form", dict(update_every=10**9), "rows"),
         ("kfac step, statistics + eigh every 20", dict(update_every=OPT_STEPS, solver="eigh"), True),
     ):
         opt = kfac(0.01, like=captured, momentum=0.9, damping=1e-2, **kw)

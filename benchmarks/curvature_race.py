@@ -158,7 +158,8 @@ def optimizer(kind: str, setting: tuple, loss_fn, params, batch, update_every: i
     if kind == "SGD":
         return optax.sgd(setting[0], momentum=0.9), None
     estimator = "ekfac" if kind == "EKFAC" else "kfac"
-    spec = vk.curvature.stats("*", [estimator])
+    # K-FAC also keeps the gradient's rows: its records form where a layer is wider than the batch
+    spec = vk.curvature.stats("*", [estimator] if estimator == "ekfac" else [estimator, "grad_rows"])
     grad_fn = vk.value_and_grad(loss_fn, capture=spec)
     like = jax.eval_shape(lambda p, b: grad_fn(p, b, key=jax.random.key(0))[1], params, batch)
     opt = vk.curvature.kfac(

@@ -68,6 +68,14 @@ _CACHE_KEY = "vjpkit_xla_cache"
 _OWN_CACHE: list[str] = []
 
 
+@pytest.fixture
+def x64():
+    """float64 for the test's duration (strict promotion stays on); modules that compare in
+    float64 throughout use it with ``pytestmark = pytest.mark.usefixtures("x64")``."""
+    with jax.enable_x64(True):
+        yield
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("vjpkit")
     group.addoption("--full", action="store_true", help="run the full tier (every test), as CI does")

@@ -32,10 +32,7 @@ import vjpkit as vk
 V, D, H, T, N, L = 11, 3, 8, 4, 5, 2
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")  # float64 (conftest)
 
 
 def problem(seed=0):

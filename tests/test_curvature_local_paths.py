@@ -29,10 +29,7 @@ V, D, T, N = cb.V, cb.D, cb.T, cb.N
 WHICH = ["sum_grad_squared", "batch_l2", "diag_ggn"]
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")  # float64 (conftest)
 
 
 def layer_norm(x, p):

@@ -20,10 +20,7 @@ import vjpkit as vk
 N, D, C = 6, 3, 4
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")  # float64 (conftest)
 
 
 def problem():

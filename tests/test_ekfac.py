@@ -28,10 +28,7 @@ from vjpkit.curvature import _losses
 N, T, D, H, C, K = 6, 3, 4, 5, 7, 2
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")  # float64 (conftest)
 
 
 def mlp_params(seed=0):

@@ -33,10 +33,7 @@ TOL = {"rtol": 1e-9, "atol": 1e-13}
 SPEC = ("*", ["kfac", "ekfac"])
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")  # float64 (conftest)
 
 
 def _plain_params(seed: int = 0, extra: tuple[str, ...] = ()) -> dict:

@@ -28,6 +28,7 @@ from ._stats import StatsSpec as StatsSpec
 from ._types import Diagonal as Diagonal
 from ._types import Ekfac as Ekfac
 from ._types import Factors as Factors
+from ._types import GradRows as GradRows
 from ._types import LayerCurvature as LayerCurvature
 from ._types import Layout as Layout
 
@@ -40,6 +41,7 @@ __all__ = [
     "EkfacBasis",
     "EkfacStats",
     "Factors",
+    "GradRows",
     "KfacState",
     "LayerCurvature",
     "Layout",

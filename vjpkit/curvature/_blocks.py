@@ -11,7 +11,10 @@ leaves and only routes statistics and gradients to them.
 * ``refresh(state, damping) -> BlockState``: the cache (inverses, eigendecompositions) from
   the EMA statistics, with the Tikhonov ``damping``.
 * ``precondition(state, grads) -> grads``: the block's leaves' gradients (a tuple, in the
-  block's leaf order) preconditioned with the cache.
+  block's leaf order) preconditioned with the cache. A Kronecker block also takes
+  ``rows=(a, d)``, the gradient's rows (``GradRows``): with ``solver="inverse"`` and fewer
+  flops than ``A^-1 M G^-1`` it computes ``(a A^-1)^T (d G^-1)`` (K-FAC's records form), when
+  ``a^T d`` is ``M`` to rounding (a fixed random projection; else the Kronecker form).
 * ``eigen(state) -> (bases, eigenvalues)``: the EMA statistics' eigendecomposition, side by
   side (``None`` as the basis of a diagonal side: the identity).
 * ``sync(stats, axis_name) -> stats``: one step's statistics averaged over a mapped axis.
@@ -98,6 +101,9 @@ def _nan(shape: tuple, dtype: Any) -> jax.Array:
 
 def _zeros(shape: tuple, dtype: Any) -> jax.Array:
     return jnp.asarray(np.zeros(shape, dtype))
+
+
+_ROWS_TOL = 64  # the records form's check: |M v - a^T (d v)| <= 64 eps sqrt(R) sum |a_r| |d_r| |v|
 
 
 def side_diagonal(x: jax.Array, diag: bool) -> jax.Array:
@@ -206,8 +212,45 @@ def kronecker(
         cache = per_slice(lambda a, g: invert_one(a, g, damping), lead, *state.stats)
         return BlockState(state.stats, cache)
 
-    def precondition(state: BlockState, grads: tuple) -> tuple:
-        return per_slice(_on_matrix(layout, dtype, apply_one), lead, state.cache, *grads)
+    def side_cost(d: int, diag: bool) -> int:  # a side's product with one row (or column)
+        return d if diag else d * d
+
+    def records_cheaper(n_rows: int) -> bool:
+        """Whether ``(a A^-1)^T (d G^-1)`` over ``n_rows`` rows costs fewer flops than
+        ``A^-1 M G^-1`` (a batch smaller than the layer's sides); ``"inverse"`` only."""
+        kron = side_cost(d_a, diag_a) * d_g + d_a * side_cost(d_g, diag_g)
+        rows = n_rows * (side_cost(d_a, diag_a) + side_cost(d_g, diag_g) + d_a * d_g)
+        return solver == "inverse" and rows < kron
+
+    def rows_match(a, d, w, *b):
+        """Whether ``a^T d`` is the grads' ``M`` to rounding, through a fixed random projection
+        (``M v`` read from the leaves as they are: no copy of ``M``)."""
+        a, d = a.astype(dtype), d.astype(dtype)
+        v = jnp.asarray(np.random.default_rng(d_g).standard_normal(d_g), dtype)
+        mv = (layout.to_matrix(w) @ v.astype(w.dtype)).astype(dtype)
+        if b:
+            mv = jnp.concatenate([mv, (b[0].reshape(-1) @ v.astype(b[0].dtype)).astype(dtype)[None]])
+        err = jnp.linalg.norm(mv - a.T @ (d @ v))
+        bound = jnp.sum(jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(d, axis=-1)) * jnp.linalg.norm(v)
+        return err <= _ROWS_TOL * jnp.finfo(dtype).eps * math.sqrt(a.shape[0]) * bound
+
+    def rows_one(cache, a, d, w, *b):
+        """``apply_one`` in the records form, ``(a A^-1)^T (d G^-1)``."""
+        a, d = a.astype(dtype), d.astype(dtype)
+        left = a * cache.A[None, :] if diag_a else a @ cache.A.T
+        p = left.T @ (d * cache.G[None, :] if diag_g else d @ cache.G)
+        pw = layout.from_matrix(p[:-1] if b else p, w.shape).astype(w.dtype)
+        return (pw, p[-1].reshape(b[0].shape).astype(b[0].dtype)) if b else (pw,)
+
+    def precondition(state: BlockState, grads: tuple, rows: Any = None) -> tuple:
+        def kron(_=None):
+            return per_slice(_on_matrix(layout, dtype, apply_one), lead, state.cache, *grads)
+
+        if rows is None or not records_cheaper(rows[0].shape[-2]):
+            return kron()
+        # one decision for every slice: a cond under the slices' vmap would run both forms
+        same = jnp.all(per_slice(rows_match, lead, *rows, *grads))
+        return lax.cond(same, lambda _: per_slice(rows_one, lead, state.cache, *rows, *grads), kron, None)
 
     def eigen(state: BlockState) -> tuple:
         u_a, s_a, u_g, s_g = per_slice(eigen_one, lead, *state.stats)

@@ -37,6 +37,13 @@ inverts and applies them.
 * Statistics. ``A_ema = decay * A_ema + (1 - decay) * A`` (same for ``G``), the EMA taking the
   first step's factors themselves (initialised at the first observation, not bias-corrected).
   With ``axis_name`` the step's factors are ``lax.pmean``-ed over that axis before the EMA.
+* Records form. When the step's curvature holds a Kronecker group's gradient rows
+  (``stats(..., ["kfac", "grad_rows"])``; every call of the group), a ``"inverse"`` block whose
+  rows are fewer than its sides (a batch smaller than the layer) preconditions
+  ``(a A^-1)^T (d G^-1)`` instead of ``A^-1 M G^-1``, when ``a^T d`` is the updates' ``M`` to
+  rounding (else the Kronecker form: a transformation before K-FAC in a chain that changed
+  the gradient). A curvature dict with rows only (``stats(..., ["grad_rows"])``) is a step
+  without statistics (below) preconditioned in that form.
 * A step without statistics (``update(..., curvature=None)``, the statistics computed only every
   few steps to save their cost) keeps the EMA and preconditions with the cached inverses; the
   first update needs statistics: without them it is a ``ConfigError`` when the state's count
@@ -174,6 +181,23 @@ class _Planned(NamedTuple):
     leaves: tuple
     block: Block
     gather: Any
+    rows: Any = None  # rows(curvature) -> (a, d) of a Kronecker group, or None (_rows_gather)
+
+
+def _rows_gather(calls: list, dtype: Any) -> Any:
+    """``rows(curvature)``: a Kronecker group's gradient rows (``GradRows``), every call's (and
+    every iteration's of a scan closing over the weight) joined along the rows' axis, so that
+    ``a^T d`` is the group's gradient; ``None`` when a call's entry has none."""
+
+    def rows(curvature):
+        got = [(curvature[c.name].grad_rows, c.layout.scans) for c in calls]
+        if any(r is None for r, _ in got):
+            return None
+        a = jnp.concatenate([_fold(jnp.asarray(r.a), scans) for r, scans in got], axis=-2)
+        d = jnp.concatenate([_fold(jnp.asarray(r.d), scans) for r, scans in got], axis=-2)
+        return a.astype(dtype), d.astype(dtype)
+
+    return rows
 
 
 def _check_kron(call: _Call, leaves: list, estimator: str) -> None:
@@ -328,7 +352,8 @@ def _build(plan: _Plan, shapes: Mapping[tuple, tuple], estimator: str, solver: s
                     solver=solver, pi_damping=pi_damping,
                 )  # fmt: skip
                 gather = lambda curvature, factors=factors: Factors(*factors(curvature))
-            out.append(_Planned(head.name, names, head.leaves, block, gather))
+            rows = _rows_gather(calls, dtype) if estimator != "ekfac" else None
+            out.append(_Planned(head.name, names, head.leaves, block, gather, rows))
             continue
         leaves = tuple(dict.fromkeys(leaf for c in calls for leaf in c.leaves))
         for c in calls:
@@ -411,6 +436,30 @@ def _ekfac_gather(calls: list, factors: Any, dtype: Any) -> Any:
         return Ekfac(*factors(curvature), rows_a.astype(dtype), rows_g.astype(dtype))
 
     return gather
+
+
+def _rows_only(curvature: Any, estimator: str) -> bool:
+    """Whether a step's curvature dict holds gradient rows but no statistics of ``estimator``
+    (``stats(globs, ["grad_rows"])``: the records form with the cached inverses, no update)."""
+    if not isinstance(curvature, Mapping) or not curvature:
+        return False
+    entries = [c for c in curvature.values() if isinstance(c, LayerCurvature)]
+    return (
+        len(entries) == len(curvature)
+        and all(getattr(c, estimator) is None for c in entries)
+        and any(c.grad_rows is not None for c in entries)
+    )
+
+
+def _block_rows(blocks: list, curvature: Mapping) -> dict:
+    """``{block key: (a, d)}`` of the Kronecker blocks whose calls all have gradient rows."""
+    out = {}
+    for b in blocks:
+        if b.rows is not None and all(n in curvature for n in b.names):
+            got = b.rows(curvature)
+            if got is not None:
+                out[b.key] = got
+    return out
 
 
 def kfac(
@@ -644,6 +693,10 @@ def scale_by_kfac(
         blocks, index, leaves, treedef = blocks_for(updates, "the updates")
         warn([*plan.warnings, *uncovered(index)])
         states = {b.key: BlockState(state.factors[b.key], state.inverses[b.key]) for b in blocks}
+        # each Kronecker block's gradient rows this step (the records form), if the curvature has them
+        rows = _block_rows(blocks, curvature) if curvature is not None else {}
+        if curvature is not None and _rows_only(curvature, estimator):
+            curvature = None  # rows only: no statistics this step
         if curvature is None:  # no statistics this step: the cached inverses precondition it
             if not isinstance(state.count, jax.core.Tracer) and int(state.count) == 0:
                 raise ConfigError(
@@ -668,9 +721,14 @@ def scale_by_kfac(
         direction = list(leaves)
         for b in blocks:
             at = [index[leaf] for leaf in b.leaves]
-            for i, p in zip(
-                at, b.block.precondition(states[b.key], tuple(leaves[i] for i in at)), strict=True
-            ):
+            grads = tuple(leaves[i] for i in at)
+            got = rows.get(b.key)
+            new_grads = (
+                b.block.precondition(states[b.key], grads, got)
+                if got is not None
+                else b.block.precondition(states[b.key], grads)
+            )
+            for i, p in zip(at, new_grads, strict=True):
                 direction[i] = p
         direction = jax.tree_util.tree_unflatten(treedef, direction)
         factors = {k: st.stats for k, st in states.items()}

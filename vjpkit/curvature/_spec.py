@@ -32,7 +32,8 @@ def stats(
             and the rows of each example's Monte-Carlo gradient, for EKFAC), ``diag_ggn``,
             ``diag_ggn_mc``, ``sum_grad_squared``, ``batch_l2``, ``backpack_variance`` (BackPACK's
             ``Variance``, of the per-example gradients ``grad l_n / N``; ``vk.inspect.gradient_stats``'s
-            ``variance`` is of ``grad l_n``, ``N^2`` times larger).
+            ``variance`` is of ``grad l_n``, ``N^2`` times larger), ``grad_rows`` (a dense
+            layer's gradient as rows ``a^T d``, for ``kfac``'s records-form preconditioning).
         mc_samples: Monte-Carlo samples for ``kfac``, ``ekfac`` and ``diag_ggn_mc``; the transformed
             function then takes ``key=``.
         max_factor_dim: a K-FAC factor side (``A``'s ``in [+1]``, ``G``'s ``out``) longer than

@@ -28,13 +28,14 @@ from jax import lax
 
 from .. import stats as statslayer
 from .._errors import ConfigError
-from ._types import Diagonal, Ekfac, Factors, LayerCurvature, Layout, stats_dtype
+from ._types import Diagonal, Ekfac, Factors, GradRows, LayerCurvature, Layout, stats_dtype
 
 FACTORS = ("kflr", "kfac", "kfac_empirical")
 DIAGONAL = ("diag_ggn", "diag_ggn_mc")
 FIRST_ORDER = ("sum_grad_squared", "batch_l2", "backpack_variance")
 BLOCKS = (*FACTORS, "ekfac")  # the fields an optimizer's blocks read (each kind answers them)
-STATISTICS = (*BLOCKS, *DIAGONAL, *FIRST_ORDER)
+ROWS = ("grad_rows",)  # the gradient's rows of a dense call (K-FAC's records form): not per example
+STATISTICS = (*BLOCKS, *DIAGONAL, *FIRST_ORDER, *ROWS)
 EXACT = ("kflr", "diag_ggn")  # need the Hessian square-root pulls
 SAMPLED = ("kfac", "ekfac", "diag_ggn_mc")  # need the Monte-Carlo pulls (and a key)
 MAX_FACTOR_DIM = 4096  # a longer K-FAC factor side is kept as its diagonal (distributed Shampoo's)
@@ -207,7 +208,7 @@ def layer_stats(
     n_in, n_out = layout.matrix_shape(w_shape)
     dtype = stats_dtype(x.dtype)
     a = _rows_in(layout, x.astype(dtype), w_shape)
-    per_example = [s for s in which if s not in FACTORS]
+    per_example = [s for s in which if s not in (*FACTORS, *ROWS)]
     if per_example and (a.shape[0] != n or d.shape[0] != n):
         raise ConfigError(
             f"vk.curvature.stats: {where}: the per-example statistics {per_example} read axis 0 of the "
@@ -235,6 +236,9 @@ def layer_stats(
         big_a = out["kfac"].A if "kfac" in out else _a_factor(a, n, bias, conv, max_dim)
         rows_a = jnp.concatenate([a, jnp.ones((*a.shape[:-1], 1), dtype)], axis=-1) if bias else a
         out["ekfac"] = Ekfac(big_a, _g_factor(g, conv, max_dim), rows_a, g)
+    if "grad_rows" in which and not conv:  # the gradient of [W; b] as a^T d
+        rows_a = jnp.concatenate([a, jnp.ones((*a.shape[:-1], 1), dtype)], axis=-1) if bias else a
+        out["grad_rows"] = GradRows(rows_a.reshape(-1, rows_a.shape[-1]), d.astype(dtype).reshape(-1, n_out))
 
     out.update(
         _per_example_fields(

@@ -43,6 +43,7 @@ from ._stats import (
     FACTORS,
     FIRST_ORDER,
     MAX_FACTOR_DIM,
+    ROWS,
     StatsSpec,
     layer_stats,
     local_stats,
@@ -219,7 +220,9 @@ def _share(traced, captured, result, chosen, exact, mc, n) -> None:
             groups.setdefault(layout, []).append(k)
     for layout, keys in groups.items():
         # the blocks' fields stay per call (ekfac's rows too: the optimizer joins a weight's calls)
-        which = sorted(set.intersection(*({w for w in chosen[k][0].which if w not in BLOCKS} for k in keys)))
+        which = sorted(
+            set.intersection(*({w for w in chosen[k][0].which if w not in (*BLOCKS, *ROWS)} for k in keys))
+        )
         if sum(math.prod(traced.plan.by_key[k].scans) for k in keys) < 2 or not which:
             continue
         calls = []
@@ -334,7 +337,7 @@ def _example_axis(traced: Any, site: Any, rule: Any, spec: StatsSpec, n: int, tr
     loss (its statistics are zero); a ``ConfigError`` naming the layer when the examples mix
     between it and the loss, or when no axis (or more than one) carries them there."""
     local = not isinstance(rule, Layout)  # its K-FAC fields are per-example diagonals too
-    per_example = list(spec.which) if local else [w for w in spec.which if w not in FACTORS]
+    per_example = [w for w in spec.which if w not in ((*ROWS,) if local else (*FACTORS, *ROWS))]
     outs = [v for v in site.eqn.outvars if hasattr(v.aval, "shape")]
     if not per_example or not outs:
         return 0

@@ -21,6 +21,8 @@ patches and ``W`` as ``(kh*kw*...*c_in, c_out)``), inside a loss registered with
   diagonal of the same curvature (``kflr``: the exact GGN's, ``= diag_ggn``; ``kfac`` and
   ``ekfac``: the Monte-Carlo Fisher's, ``= diag_ggn_mc``; ``kfac_empirical``: the empirical Fisher's,
   ``N * sum_grad_squared``), keyed like the layer's ``params``.
+* ``GradRows(a, d)``: a dense call's gradient as rows (``grad_rows``), ``a^T d``, for K-FAC's
+  records-form preconditioning; ``None`` for a convolution or a layer with no Kronecker rule.
 * the first-order statistics and the diagonal GGN are pytrees keyed like the layer's ``params``
   (BackPACK's conventions for a mean loss: the per-example gradient is that of ``l_n / N``).
 
@@ -65,6 +67,16 @@ class Ekfac(NamedTuple):
     G: jax.Array
     a: jax.Array
     g: jax.Array
+
+
+class GradRows(NamedTuple):
+    """The rows of a dense call's gradient of ``M = [W; b]``: ``a`` ``(R, d_a)`` (``[x, 1]`` with a
+    bias) and ``d`` ``(R, d_g)`` (the gradient's own output cotangents, each carrying the ``1/N``
+    of the mean), one row per position of every example, so that the call's gradient is
+    ``a^T d``. K-FAC's records form preconditions it as ``(a A^-1)^T (d G^-1)``."""
+
+    a: jax.Array
+    d: jax.Array
 
 
 class Diagonal(NamedTuple):
@@ -161,4 +173,5 @@ class LayerCurvature:
     sum_grad_squared: Any = None
     batch_l2: Any = None
     backpack_variance: Any = None
+    grad_rows: GradRows | None = None
     layout: Layout | None = dataclasses.field(default=None, metadata=dict(static=True))

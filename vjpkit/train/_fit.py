@@ -40,7 +40,7 @@ from ..inspect._nonfinite import first_nonfinite
 from ._data import ArrayBatches, check_batch, make_batches
 from ._distributed import gather, multi, primary
 from ._state import TrainState
-from ._step import _kfac_states, _wants_key, build_step, check_optimizer, init_hook_state
+from ._step import _kfac_states, _wants_key, build_step, check_optimizer, due_phase, init_hook_state
 
 
 def _positive(name: str, value: Any, allow_none: bool = True) -> None:
@@ -475,14 +475,14 @@ def _loop(
     nan_policy: str,
     log_every: int,
 ) -> tuple[TrainState, dict]:
-    single = jax.jit(step_fn, donate_argnums=0)
     if phases:  # make_step's host dispatch: K-FAC's count read on the host, one program each
         programs = {ph: jax.jit(fn, donate_argnums=0) for ph, fn in phases.items()}
 
         def single(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-            # replicated over every process: each reads its own copy and picks the same program
-            count = int(np.asarray(_kfac_states(state)[0].count.addressable_data(0)))
-            return programs["stats" if count % curvature_every == 0 else "plain"](state, batch)
+            return programs[due_phase(state, curvature_every)](state, batch)
+
+    else:
+        single = jax.jit(step_fn, donate_argnums=0)
 
     scanned = (
         jax.jit(lambda s, bs: jax.lax.scan(step_fn, s, bs), donate_argnums=0) if scan_steps > 1 else None

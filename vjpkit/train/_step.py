@@ -64,6 +64,15 @@ def _is_kfac(x: Any) -> bool:
     return isinstance(x, (KfacState, ScaleByKfacState))
 
 
+def due_phase(state: TrainState, curvature_every: int) -> str:
+    """The program of the host dispatch for the step at ``state``: ``"stats"`` when K-FAC's
+    update count is a multiple of ``curvature_every``, else ``"plain"``. The count is read from
+    this process's own copy of the replicated state (one scalar; every process picks the same)."""
+    count = _kfac_states(state)[0].count
+    local = count.addressable_data(0) if hasattr(count, "addressable_data") else count
+    return "stats" if int(np.asarray(local)) % curvature_every == 0 else "plain"
+
+
 def _kfac_states(state: TrainState) -> list:
     """The K-FAC states inside the optimizer state (a ``kfac`` or ``scale_by_kfac`` anywhere)."""
     return [x for x in jax.tree.leaves(state.opt_state, is_leaf=_is_kfac) if _is_kfac(x)]
@@ -148,8 +157,7 @@ def make_step(
         kfacs = _kfac_states(state)
         if not kfacs or is_traced((state, batch)):  # traced (or an error to raise): the cond
             return compiled(state, batch)
-        due = int(jax.device_get(kfacs[0].count)) % curvature_every == 0
-        return phases["stats" if due else "plain"](state, batch)
+        return phases[due_phase(state, curvature_every)](state, batch)
 
     return dispatched
 
@@ -183,7 +191,14 @@ def build_step(
     value_and_grad = _autodiff.value_and_grad(loss_fn, hooks=hooks, capture=capture)
     captures = capture is not None
     _check_curvature_every(curvature_every, capture, curvature)
-    plain = _autodiff.value_and_grad(loss_fn, hooks=hooks) if curvature_every > 1 else None
+    # the steps without statistics keep the gradient's rows when the spec asks for them (K-FAC's
+    # records form with the cached inverses)
+    rows_spec = [s._replace(which=("grad_rows",)) for s in curvature if "grad_rows" in s.which]
+    plain = (
+        _autodiff.value_and_grad(loss_fn, hooks=hooks, capture=rows_spec or None)
+        if curvature_every > 1
+        else None
+    )
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         kfacs = _kfac_states(state)
@@ -238,10 +253,13 @@ def build_step(
         else:  # the statistics on every curvature_every-th step only
 
             def without(_):
-                loss, grads = plain(state.params, batch, **loss_kwargs)
+                if rows_spec:
+                    (loss, grads), rows = plain(state.params, batch, **loss_kwargs)
+                else:
+                    (loss, grads), rows = plain(state.params, batch, **loss_kwargs), None
                 shapes = jax.eval_shape(with_stats)[2]
                 captured = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan, a.dtype), shapes)
-                return loss, grads, captured, state.hook_state, update(loss, grads, None)
+                return loss, grads, captured, state.hook_state, update(loss, grads, rows)
 
             # K-FAC's own update count (an optax.MultiSteps or a re-initialised optimizer state
             # counts differently from state.step): its first update always has statistics
