@@ -80,7 +80,7 @@ def test_vk_jvp_hooks_run_through_the_engine_handler(monkeypatch):
 
 # --- hooks beside curvature statistics -----------------------------------------------------
 
-x64 = cb.x64  # float64 throughout, so the comparisons below are to rounding
+pytestmark = pytest.mark.usefixtures("x64")  # float64 throughout: the comparisons are to rounding
 
 
 def _loss(inner_jit):

@@ -15,7 +15,7 @@ import vjpkit as vk
 from . import test_curvature_blocks as cb
 from .helpers import tree_allclose
 
-x64 = cb.x64  # float64: the comparisons are to rounding
+pytestmark = pytest.mark.usefixtures("x64")  # float64: the comparisons are to rounding
 
 SPEC = vk.curvature.stats("*", ["kflr"], max_factor_dim=6)
 OPTIONS = dict(estimator="kflr", damping=1e-2, decay=0.5, update_every=2)
