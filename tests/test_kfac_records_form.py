@@ -194,3 +194,19 @@ def test_grad_rows_give_each_dense_gradient(jit):
     )
     np.testing.assert_allclose(m(cap["shared"].grad_rows).sum(0), want["shared"], rtol=1e-10)
     tree_allclose(grads, want, rtol=1e-12, atol=1e-14)
+
+
+def test_rows_with_another_estimators_statistics_are_an_error():
+    """A curvature dict with rows and ``kflr`` given to ``kfac(estimator="kfac")`` is not a
+    rows-only step: the missing ``kfac`` field is an error, as without the rows."""
+    params, x, y = problem()
+    (_, grads), cur = vk.value_and_grad(loss, capture=vk.curvature.stats("*", ["kfac"]))(
+        params, x, y, key=jax.random.key(0)
+    )
+    (_, grads), other = vk.value_and_grad(loss, capture=vk.curvature.stats("*", ["kflr", "grad_rows"]))(
+        params, x, y
+    )
+    opt = vk.curvature.kfac(0.1, like=cur, damping=1e-2)
+    _, state = opt.update(grads, opt.init(params), params, curvature=cur)
+    with pytest.raises(vk.ConfigError, match="kfac"):
+        opt.update(grads, state, params, curvature=other)

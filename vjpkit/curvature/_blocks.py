@@ -227,9 +227,9 @@ def kronecker(
         (``M v`` read from the leaves as they are: no copy of ``M``)."""
         a, d = a.astype(dtype), d.astype(dtype)
         v = jnp.asarray(np.random.default_rng(d_g).standard_normal(d_g), dtype)
-        mv = (layout.to_matrix(w) @ v.astype(w.dtype)).astype(dtype)
+        mv = layout.to_matrix(w).astype(dtype) @ v  # a float32 w is not copied (a half one is)
         if b:
-            mv = jnp.concatenate([mv, (b[0].reshape(-1) @ v.astype(b[0].dtype)).astype(dtype)[None]])
+            mv = jnp.concatenate([mv, (b[0].reshape(-1).astype(dtype) @ v)[None]])
         err = jnp.linalg.norm(mv - a.T @ (d @ v))
         bound = jnp.sum(jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(d, axis=-1)) * jnp.linalg.norm(v)
         return err <= _ROWS_TOL * jnp.finfo(dtype).eps * math.sqrt(a.shape[0]) * bound

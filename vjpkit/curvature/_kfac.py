@@ -69,6 +69,7 @@ dtype. This module imports only ``vjpkit._errors`` and ``vjpkit.curvature._block
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Mapping
@@ -438,15 +439,16 @@ def _ekfac_gather(calls: list, factors: Any, dtype: Any) -> Any:
     return gather
 
 
-def _rows_only(curvature: Any, estimator: str) -> bool:
-    """Whether a step's curvature dict holds gradient rows but no statistics of ``estimator``
+def _rows_only(curvature: Any) -> bool:
+    """Whether a step's curvature dict holds gradient rows and no statistic at all
     (``stats(globs, ["grad_rows"])``: the records form with the cached inverses, no update)."""
     if not isinstance(curvature, Mapping) or not curvature:
         return False
     entries = [c for c in curvature.values() if isinstance(c, LayerCurvature)]
-    return (
+    others = [f.name for f in dataclasses.fields(LayerCurvature) if f.name not in ("grad_rows", "layout")]
+    return (  # another statistic (another estimator's) is not rows only: step_stats says what is missing
         len(entries) == len(curvature)
-        and all(getattr(c, estimator) is None for c in entries)
+        and all(getattr(c, f) is None for c in entries for f in others)
         and any(c.grad_rows is not None for c in entries)
     )
 
@@ -695,7 +697,7 @@ def scale_by_kfac(
         states = {b.key: BlockState(state.factors[b.key], state.inverses[b.key]) for b in blocks}
         # each Kronecker block's gradient rows this step (the records form), if the curvature has them
         rows = _block_rows(blocks, curvature) if curvature is not None else {}
-        if curvature is not None and _rows_only(curvature, estimator):
+        if curvature is not None and _rows_only(curvature):
             curvature = None  # rows only: no statistics this step
         if curvature is None:  # no statistics this step: the cached inverses precondition it
             if not isinstance(state.count, jax.core.Tracer) and int(state.count) == 0:
