@@ -10,6 +10,8 @@ result is still the Kronecker form's.
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from jax import lax
 
 import vjpkit as vk
 from tests.helpers import tree_allclose
-from vjpkit.curvature import Factors, Layout, _kfac, kronecker_block
+from vjpkit.curvature import Factors, Layout, _blocks, _kfac, kronecker_block
 
 N, IN, H, C = 8, 48, 64, 10
 
@@ -210,3 +212,56 @@ def test_rows_with_another_estimators_statistics_are_an_error():
     _, state = opt.update(grads, opt.init(params), params, curvature=cur)
     with pytest.raises(vk.ConfigError, match="kfac"):
         opt.update(grads, state, params, curvature=other)
+
+
+@pytest.mark.parametrize("pre", ["identity", "decay", "clip"])
+def test_float32_check_catches_a_small_change_before_kfac(pre):
+    """In float32 the check tells a gradient changed by weight decay 1e-4, or by a clip that
+    barely acts (0.999 of its norm), from rounding: the update equals the Kronecker form's to
+    float32 rounding (a looser check took the records form there, 1e-2 off); unchanged, the
+    records form is taken (a spy on the block's cond)."""
+    with jax.enable_x64(False):
+        rng = np.random.default_rng(0)
+        params = {
+            "inp": {
+                "w": (rng.standard_normal((256, 512)) / 16).astype(np.float32),
+                "b": np.zeros(512, np.float32),
+            },
+            "out": {"w": (rng.standard_normal((512, 10)) / 22).astype(np.float32)},
+        }
+        x, y = rng.standard_normal((64, 256)).astype(np.float32), rng.integers(0, 10, 64)
+
+        def loss32(p, x, y):
+            h = jnp.tanh(x @ p["inp"]["w"] + p["inp"]["b"])
+            return vk.curvature.softmax_cross_entropy(h @ p["out"]["w"], y)
+
+        (_, grads), cur = vk.value_and_grad(loss32, capture=vk.curvature.stats("*", ["kfac"]))(
+            params, x, y, key=jax.random.key(0)
+        )
+        rows = vk.value_and_grad(loss32, capture=vk.curvature.stats("*", ["kfac", "grad_rows"]))
+        cur_rows = rows(params, x, y, key=jax.random.key(0))[1]
+        norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))))
+        before = {
+            "identity": optax.identity(),
+            "decay": optax.add_decayed_weights(1e-4),
+            "clip": optax.clip_by_global_norm(0.999 * norm),
+        }[pre]
+        taken = []
+        cond = _blocks.lax.cond
+
+        def spy(pred, *branches):
+            taken.append(bool(pred))
+            return cond(pred, *branches)
+
+        def update(curvature):
+            opt = optax.chain(before, vk.curvature.kfac(1.0, like=cur, damping=1e-3))
+            return opt.update(grads, opt.init(params), params, curvature=curvature)[0]
+
+        want = update(cur)
+        _blocks.lax = types.SimpleNamespace(cond=spy)
+        try:
+            got = update(cur_rows)
+        finally:
+            _blocks.lax = lax
+        assert taken == [pre == "identity"], taken
+        tree_allclose(got, want, rtol=2e-4, atol=2e-5)  # entries ~1; decay dropped: 1e-2 off

@@ -103,7 +103,12 @@ def _zeros(shape: tuple, dtype: Any) -> jax.Array:
     return jnp.asarray(np.zeros(shape, dtype))
 
 
-_ROWS_TOL = 64  # the records form's check: |M v - a^T (d v)| <= 64 eps sqrt(R) sum |a_r| |d_r| |v|
+# The records form's check: |M v - a^T (d v)| <= 2 eps | |a|^T (|d| |v|) |. Measured in float32
+# on XLA:CPU for rows and gradients that are equal (R = 16 ... 2048, widths 10 ... 1000), the
+# left side is at most 0.11 eps |...|: any larger difference is a change to the gradient
+# (weight decay, clipping) and takes the Kronecker form. A looser, worst-case rounding bound
+# (64 eps sqrt(R) sum |a_r| |d_r| |v|) let a weight decay of 1e-4 through in float32.
+_ROWS_TOL = 2
 
 
 def side_diagonal(x: jax.Array, diag: bool) -> jax.Array:
@@ -231,8 +236,8 @@ def kronecker(
         if b:
             mv = jnp.concatenate([mv, (b[0].reshape(-1).astype(dtype) @ v)[None]])
         err = jnp.linalg.norm(mv - a.T @ (d @ v))
-        bound = jnp.sum(jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(d, axis=-1)) * jnp.linalg.norm(v)
-        return err <= _ROWS_TOL * jnp.finfo(dtype).eps * math.sqrt(a.shape[0]) * bound
+        bound = jnp.linalg.norm(jnp.abs(a).T @ (jnp.abs(d) @ jnp.abs(v)))
+        return err <= _ROWS_TOL * jnp.finfo(dtype).eps * bound
 
     def rows_one(cache, a, d, w, *b):
         """``apply_one`` in the records form, ``(a A^-1)^T (d G^-1)``."""
