@@ -157,3 +157,42 @@ def test_fit_dispatches_two_programs_on_the_host(monkeypatch):
     assert set(traced[before:]) == {None}  # the scanned program runs the cond
     tree_allclose(hosted.params, scanned.params, rtol=1e-5, atol=1e-7)
     tree_allclose(hosted.opt_state, scanned.opt_state, rtol=1e-5, atol=1e-7)
+
+
+def test_multisteps_kfac_gets_the_statistics():
+    """``optax.MultiSteps(kfac, 2)`` in ``make_step`` equals a hand loop of
+    ``MultiSteps.update(..., curvature=)`` (its ``gradient_transformation()`` drops extra
+    arguments: K-FAC got no statistics and every step was NaN)."""
+    loss_fn, params, batch = _problem()
+    spec = vk.curvature.stats("*", ["kfac"])
+    grad_fn = jax.jit(vk.value_and_grad(loss_fn, capture=spec))
+    like = jax.eval_shape(lambda p: grad_fn(p, batch, key=jax.random.key(0))[1], params)
+    opt = optax.MultiSteps(vk.curvature.kfac(0.1, like=like, damping=0.1, update_every=2), 2)
+    step = vk.train.make_step(loss_fn, opt, capture=spec)
+    state = vk.train.TrainState.create(params, opt, seed=5)
+    p, s, rng = params, opt.init(params), jax.random.PRNGKey(5)
+    update = jax.jit(lambda g, s, p, c: opt.update(g, s, p, curvature=c))
+    with jax.numpy_dtype_promotion("standard"):  # optax's MultiSteps arithmetic is not strict-clean
+        for _ in range(4):
+            state, _ = step(state, batch)
+            rng, key = jax.random.split(rng)
+            (_, g), cap = grad_fn(p, batch, key=key)
+            u, s = update(g, s, p, cap)
+            p = optax.apply_updates(p, u)
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state.params))
+    tree_allclose(state.params, p, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):  # the steps moved the params
+        tree_allclose(p, params, rtol=1e-3, atol=1e-5)
+
+
+def test_kfac_inside_a_transformation_without_extra_arguments_is_an_error():
+    loss_fn, params, batch = _problem()
+    spec = vk.curvature.stats("*", ["kfac"])
+    like = jax.eval_shape(
+        lambda p: vk.value_and_grad(loss_fn, capture=spec)(p, batch, key=jax.random.key(0))[1], params
+    )
+    kfac = vk.curvature.kfac(0.1, like=like, damping=0.1)
+    opt = optax.GradientTransformation(kfac.init, lambda u, s, p=None: kfac.update(u, s, p))
+    step = vk.train.make_step(loss_fn, opt, capture=spec)
+    with pytest.raises(vk.ConfigError, match="extra arguments"):
+        step(vk.train.TrainState.create(params, opt, seed=0), batch)

@@ -35,10 +35,12 @@ def check_optimizer(optimizer: Any) -> optax.GradientTransformation:
     """The optax ``GradientTransformation`` of ``optimizer``; raises for anything else.
 
     ``optax.MultiSteps`` (gradient accumulation) is a class with ``init`` and ``update`` rather
-    than a ``GradientTransformation``; its ``gradient_transformation()`` is used.
+    than a ``GradientTransformation``; its own ``init`` and ``update`` are used, as a
+    ``GradientTransformationExtraArgs`` (its ``update`` passes extra arguments, K-FAC's
+    ``curvature=``, to the transformation it wraps; its ``gradient_transformation()`` drops them).
     """
     if isinstance(optimizer, optax.MultiSteps):
-        return optimizer.gradient_transformation()
+        return optax.GradientTransformationExtraArgs(optimizer.init, optimizer.update)
     if not isinstance(optimizer, optax.GradientTransformation):
         raise ConfigError(
             f"the optimizer must be an optax.GradientTransformation (for example optax.sgd(0.1), "
@@ -208,6 +210,14 @@ def build_step(
                 "statistics a vk.curvature.stats capture gives each step, but capture= has none: "
                 "every step would be momentum SGD. Pass capture=vk.curvature.stats(layers, "
                 "['kfac']) (the spec like= was built from), or use another optimizer."
+            )
+        if kfacs and not extra_args:
+            raise ConfigError(
+                "make_step: the optimizer holds vk.curvature.kfac inside a transformation whose "
+                "update takes no extra arguments (an optax.GradientTransformation, not "
+                "...ExtraArgs), so K-FAC would never get the statistics (update(..., curvature=)) "
+                "and every step would be NaN. Wrap it with optax.with_extra_args_support, or build "
+                "the chain with optax.chain, which passes them on."
             )
         if plain is not None and not kfacs:
             raise ConfigError(
