@@ -124,11 +124,15 @@ def _on_matrix(layout: Layout, dtype: Any, apply: Callable) -> Callable:
         m = layout.to_matrix(w).astype(dtype)
         if b:
             m = jnp.concatenate([m, b[0].reshape(1, -1).astype(dtype)], axis=0)
-        p = apply(cache, m)
-        pw = layout.from_matrix(p[:-1] if b else p, w.shape).astype(w.dtype)
-        return (pw, p[-1].reshape(b[0].shape).astype(b[0].dtype)) if b else (pw,)
+        return _as_leaves(layout, apply(cache, m), w, *b)
 
     return one
+
+
+def _as_leaves(layout: Layout, p: jax.Array, w: jax.Array, *b: jax.Array) -> tuple:
+    """A block's matrix ``[W; b]`` laid out as the weight (and bias) leaves, each in its dtype."""
+    pw = layout.from_matrix(p[:-1] if b else p, w.shape).astype(w.dtype)
+    return (pw, p[-1].reshape(b[0].shape).astype(b[0].dtype)) if b else (pw,)
 
 
 def kronecker(
@@ -243,9 +247,7 @@ def kronecker(
         """``apply_one`` in the records form, ``(a A^-1)^T (d G^-1)``."""
         a, d = a.astype(dtype), d.astype(dtype)
         left = a * cache.A[None, :] if diag_a else a @ cache.A.T
-        p = left.T @ (d * cache.G[None, :] if diag_g else d @ cache.G)
-        pw = layout.from_matrix(p[:-1] if b else p, w.shape).astype(w.dtype)
-        return (pw, p[-1].reshape(b[0].shape).astype(b[0].dtype)) if b else (pw,)
+        return _as_leaves(layout, left.T @ (d * cache.G[None, :] if diag_g else d @ cache.G), w, *b)
 
     def precondition(state: BlockState, grads: tuple, rows: Any = None) -> tuple:
         def kron(_=None):
