@@ -9,6 +9,9 @@ outside the engine builds a configuration or a trace itself.
   once under ``jax.make_jaxpr`` with every layer call marked (the program does not depend on
   the configuration), and plans it (``Plan``: names, active calls, record, state and probe
   shapes). ``args[i]`` for ``i`` in ``argnums`` are differentiated (all of them when ``None``).
+  Called eagerly, the other arguments are concrete in the trace; when matching then finds the
+  loss a parameter computation (the batch taken for a constant), the function is traced again
+  with them as inputs, as under ``jax.jit`` (kept unless it needs them concrete).
 * ``linearize(traced, hook_state, log)`` evaluates the program under ``jax.vjp`` through the
   runner, and returns ``(out, aux, pull)``. ``pull(seed)`` returns ``(grads, captured, new
   hook state)`` with one gradient per differentiated argument; the host deliveries of the
@@ -27,9 +30,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
-from .. import _context, _format, _hooks, _host
+from .. import _compat, _context, _format, _hooks, _host
 from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError, VjpkitError
 from .._hook_base import HookState
@@ -106,7 +110,7 @@ def trace(
     nums = tuple(range(len(args))) if argnums is None else tuple(argnums)
     leaves, tree = jax.tree.flatten([args[i] for i in nums])
 
-    def flat(*leaves):
+    def flat(*leaves, args=args, kwargs=kwargs):
         full = list(args)
         for i, d in zip(nums, jax.tree.unflatten(tree, leaves)):
             full[i] = d
@@ -141,13 +145,55 @@ def trace(
         kept = nums if params is None else tuple(params)
         paths = iter(_leaf_paths([args[i] for i in kept], kept))
         names = [next(paths) if i in kept else None for i in nums for _ in jax.tree.leaves(args[i])]
-        closed, other = _match.rewrite(closed, names)
+        matched, other = _match.rewrite(closed, names)
+        if eager and any(u.primitive == "output" and not u.where for u in other):
+            # the loss returned a parameter computation: the eager trace took the batch for a
+            # constant (x * a**2 is then a parameter computation, and no layer reads it). Traced
+            # with the data as inputs, as under jax.jit, so both find the same layers
+            again = _data_as_inputs(flat, leaves, args, kwargs, nums, names)
+            if again is not None:
+                matched, other, shape = again
+        closed = matched
     out_tree = jax.tree.structure(shape)
     n_out = len(jax.tree.leaves(shape[0]))
     plan = Plan(config, closed.jaxpr, [True] * len(leaves), _handlers.chain(_handlers.default(), *handlers))
     if check:
         config.check_matched(plan.names)
     return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)), other)
+
+
+def _data_as_inputs(flat: Callable, leaves: list, args: Sequence, kwargs: dict, nums: Sequence[int],
+                    names: list) -> tuple | None:  # fmt: skip
+    """The eagerly called program traced again with the array leaves of its other arguments as
+    inputs (data, as under ``jax.jit``), matched, and those inputs bound back as its constants:
+    ``(closed, other uses, shape)``, or ``None`` when the function needs them concrete."""
+    data, data_tree = jax.tree.flatten(([a for i, a in enumerate(args) if i not in nums], kwargs))
+    at = [i for i, x in enumerate(data) if isinstance(x, (jax.Array, np.ndarray))]
+    if not at:
+        return None
+
+    def with_data(*values):
+        given = list(data)
+        for i, v in zip(at, values[len(leaves) :]):
+            given[i] = v
+        rest, kw = jax.tree.unflatten(data_tree, given)
+        rest = iter(rest)
+        full = [args[i] if i in nums else next(rest) for i in range(len(args))]
+        with _context.activate(_context.LAYERS):
+            return flat(*values[: len(leaves)], args=full, kwargs=kw)
+
+    try:
+        closed, shape = jax.make_jaxpr(with_data, return_shape=True)(*leaves, *(data[i] for i in at))
+        closed = _fori.hoist(closed)
+        matched, other = _match.rewrite(closed, [*names, *([None] * len(at))])
+    except Exception:  # a value the function reads concretely (int(y.max())): the eager trace stands
+        return None
+    j = matched.jaxpr
+    n = len(leaves)
+    program = _compat.open_jaxpr(
+        [*j.invars[n:], *j.constvars], j.invars[:n], j.outvars, j.eqns, j.effects, j.debug_info
+    )
+    return _compat.closed_jaxpr(program, [*(data[i] for i in at), *matched.consts]), other, shape
 
 
 def replan(traced: Traced, config: _context.Config) -> Traced:
