@@ -396,11 +396,55 @@ def test_kfac_preconditions_unread_leaves_by_their_diagonal():
         np.testing.assert_allclose(u[leaf], want, rtol=1e-9, atol=1e-15)
 
 
+PER_EXAMPLE = ["kflr", "kfac_empirical", "diag_ggn", "diag_ggn_mc", "sum_grad_squared", "batch_l2",
+               "backpack_variance"]  # fmt: skip
+
+
+def test_unread_leaves_answer_every_statistic_per_example(maybe_jit):
+    """Every statistic but ``kfac`` / ``ekfac`` of a leaf no layer reads comes from its
+    per-example gradients (masked pulls of the whole program), with a warning naming the leaves:
+    ``jax.vmap(jax.grad)`` of each sequence's share of the mean loss for the first-order fields
+    and ``kfac_empirical``; the brute-force GGN diagonal for ``diag_ggn`` and ``kflr``; for
+    ``diag_ggn_mc``, the same Monte-Carlo seeds hand-chained, each masked to one example."""
+    from vjpkit.curvature import _losses
+
+    params, x, y = tempered_problem()
+    key = jax.random.key(3)
+    spec = vk.curvature.stats("*", PER_EXAMPLE, mc_samples=2)
+    with pytest.warns(UserWarning, match="no layer reads the leaves") as seen:
+        _, cap = maybe_jit(vk.grad(tempered_loss, capture=spec))(params, x, y, key=key)
+    said = str(seen[0].message)
+    assert "temp (kflr," in said and "used by div" in said and "gain (kflr," in said, said
+
+    def share(p, xi, yi):
+        return tempered_loss(p, xi[None], yi[None]) / N
+
+    per = jax.vmap(jax.grad(share), in_axes=(None, 0, 0))(params, x, y)
+    logits, pullback = jax.vjp(lambda p: tempered(p, x), params)
+    onehot = jax.nn.one_hot(y, V, dtype=logits.dtype)
+    seeds = _losses.sampled(_losses.Mark("softmax_cross_entropy", logits, onehot), key, 2)
+    mask = np.eye(N)[:, :, None, None]  # (example, N, 1, 1)
+    for leaf in ("temp", "gain"):
+        e, g_i = cap[leaf], np.asarray(per[leaf])
+        assert e.layout.kind == "leaf"
+        sgs = np.sum(np.square(g_i), 0)
+        np.testing.assert_allclose(e.sum_grad_squared, sgs, rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(e.batch_l2, np.square(g_i).reshape(N, -1).sum(1), rtol=1e-9)
+        np.testing.assert_allclose(e.kfac_empirical.diagonal, N * sgs, rtol=1e-9, atol=1e-15)
+        var = sgs / N - np.square(g_i.sum(0) / N)
+        np.testing.assert_allclose(e.backpack_variance, var, rtol=1e-9, atol=1e-15)
+        exact = ggn_diagonal(lambda v, x, leaf=leaf: tempered({**params, leaf: v}, x), params[leaf], x)
+        np.testing.assert_allclose(e.diag_ggn, exact, rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(e.kflr.diagonal, exact, rtol=1e-9, atol=1e-15)
+        mc = sum(np.square(np.asarray(pullback(s * m)[0][leaf])) for s in seeds for m in mask)
+        np.testing.assert_allclose(e.diag_ggn_mc, mc, rtol=1e-9, atol=1e-15)
+
+
 @pytest.mark.slow
 def test_unread_leaf_entries_with_several_arguments_and_other_estimators():
     """Leaf entries are the first differentiated argument's (the params) only, so K-FAC still
-    builds with ``argnums=(0, 1)``; with ``estimator="kflr"`` a leaf entry (``kfac`` only) is
-    uncovered: the plain gradient, with the warning naming it, not an error."""
+    builds with ``argnums=(0, 1)``; with ``estimator="kflr"`` the leaf's entry is its exact
+    GGN diagonal, a diagonal block (no leaf left to SGD)."""
     params, x, y = tempered_problem()
     xf = jnp.float64(0.9)  # a float second argument
 
@@ -408,12 +452,18 @@ def test_unread_leaf_entries_with_several_arguments_and_other_estimators():
         return vk.curvature.softmax_cross_entropy(tempered(p, x) * jnp.exp(s), y)  # no layer reads s
 
     g = vk.value_and_grad(loss2, argnums=(0, 1), capture=vk.curvature.stats("*", ["kfac", "kflr"]))
-    like = jax.eval_shape(lambda *a: g(*a, key=jax.random.key(0)), params, xf, y)[1]
+    with pytest.warns(UserWarning, match="no layer reads the leaves"):
+        like = jax.eval_shape(lambda *a: g(*a, key=jax.random.key(0)), params, xf, y)[1]
     assert {k for k, v in like.items() if v.layout.kind == "leaf"} == {"arg0/temp", "arg0/gain"}
     vk.curvature.kfac(0.1, like=like).init(params)
-    with pytest.warns(UserWarning, match="no layer of like covers the leaves .*temp"):
-        opt = vk.curvature.kfac(0.1, like=like, estimator="kflr")
-        state = opt.init(params)
+    damping = 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the statistics' warning (above)
         (_, (grads, _)), cap = g(params, xf, y, key=jax.random.key(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no leaf is left to SGD
+        opt = vk.curvature.kfac(0.1, like=like, estimator="kflr", damping=damping)
+        state = opt.init(params)
         u, _ = opt.update(grads, state, params, curvature=cap)
-    np.testing.assert_allclose(u["temp"], -0.1 * grads["temp"], rtol=1e-12)
+    want = -0.1 * grads["temp"] / (cap["arg0/temp"].kflr.diagonal + damping)
+    np.testing.assert_allclose(u["temp"], want, rtol=1e-9)

@@ -28,9 +28,9 @@ inverts and applies them.
   (``jax.vmap`` over the slices), exactly as the same model unrolled into separate weights.
 * EKFAC (``estimator="ekfac"``): each Kronecker group is an ``_blocks.ekfac`` block instead, fed
   the same summed factors and the calls' per-example rows joined (``_ekfac_gather``).
-* Leaves no layer reads. ``stats`` with ``kfac`` gives each such leaf (a class token, a
-  temperature) an entry of ``Layout`` kind ``"leaf"`` holding its ``Diagonal``: one diagonal
-  block, as any other ``Diagonal`` call.
+* Leaves no layer reads. ``stats`` gives each such leaf (a class token, a temperature) an
+  entry of ``Layout`` kind ``"leaf"`` holding each estimator's ``Diagonal``: one diagonal block,
+  as any other ``Diagonal`` call.
 * Fallback. Leaves no call of ``like`` covers, and calls without a leaf path (a weight computed
   in the loss or carried through a scan, a bias row the factors include but no bias leaf), get
   the plain gradient, ``-learning_rate * g`` (SGD), each warned about once (``UserWarning``).

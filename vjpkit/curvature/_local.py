@@ -42,7 +42,7 @@ class PerExample(NamedTuple):
     sq_norms: Callable[[jax.Array, Any], Any]  # (g, dtype) -> {leaf: (N,) ||g_i||^2}, like params
 
 
-def _from_grads(per_example: Callable[[jax.Array], Any]) -> PerExample:
+def from_grads(per_example: Callable[[jax.Array], Any]) -> PerExample:
     """``PerExample`` of ``per_example(g) -> {leaf: (N, *leaf)}``, the gradients formed."""
 
     def sum_sq(g, dtype):
@@ -98,7 +98,7 @@ def _masked(closed: Any, flat: Callable) -> Callable:
 
             return jax.vmap(one)(examples)
 
-        return _from_grads(per_example)
+        return from_grads(per_example)
 
     return linearize
 
@@ -235,6 +235,6 @@ def _shared(site: Any, closed: Any, flat: Callable) -> Callable | None:
             each = [jnp.moveaxis(b, axis, 0).reshape(n, *s) for b, s in zip(bars, shapes)]
             return jax.vmap(lambda cs: pull_cuts(list(cs))[0])(each)
 
-        return _from_grads(per_example)
+        return from_grads(per_example)
 
     return linearize

@@ -134,8 +134,7 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
             f"vk.curvature.softmax_cross_entropy: labels must be integer classes {lead} or a "
             f"float distribution {tuple(logits.shape)} for logits {_spec(logits)}, got {_spec(labels)}."
         )
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return _mark("softmax_cross_entropy", logits, target, -jnp.mean(jnp.sum(target * logp, axis=-1)))
+    return _mark("softmax_cross_entropy", logits, target, _ce_value(logits, target))
 
 
 def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
@@ -151,7 +150,7 @@ def mse(pred: jax.Array, target: jax.Array) -> jax.Array:
             f"vk.curvature.mse: target {_spec(target)} must have the shape of pred {_spec(pred)}."
         )
     target = target.astype(pred.dtype)
-    return _mark("mse", pred, target, jnp.mean(jnp.square(pred - target)))
+    return _mark("mse", pred, target, _mse_value(pred, target))
 
 
 def sigmoid_binary_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -172,9 +171,28 @@ def sigmoid_binary_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Ar
             f"shape of logits {_spec(logits)}."
         )
     labels = labels.astype(logits.dtype)
-    return _mark(
-        "sigmoid_binary_cross_entropy", logits, labels, jnp.mean(jax.nn.softplus(logits) - labels * logits)
-    )
+    return _mark("sigmoid_binary_cross_entropy", logits, labels, _bce_value(logits, labels))
+
+
+def _ce_value(logits: jax.Array, target: jax.Array) -> jax.Array:
+    return -jnp.mean(jnp.sum(target * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+
+
+def _mse_value(pred: jax.Array, target: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.square(pred - target))
+
+
+def _bce_value(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    return jnp.mean(jax.nn.softplus(logits) - labels * logits)
+
+
+_VALUES = {"softmax_cross_entropy": _ce_value, "mse": _mse_value, "sigmoid_binary_cross_entropy": _bce_value}
+
+
+def output_grad(mark: Mark) -> jax.Array:
+    """``dL/d output`` of the registered loss (each example's row carrying the ``1/N`` of the
+    mean): the gradient's seed at the model output."""
+    return jax.grad(_VALUES[mark.kind])(mark.output, mark.target)
 
 
 def _label_mass(mark: Mark) -> jax.Array:

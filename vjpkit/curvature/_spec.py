@@ -42,7 +42,10 @@ def stats(
 
     The K-FAC fields of a layer with no Kronecker rule (an embedding, a norm's scale and shift,
     a residual bias, any other per-example layer) hold its diagonal block instead:
-    ``vk.curvature.Diagonal`` of the same curvature (``docs/curvature.md``'s block table).
+    ``vk.curvature.Diagonal`` of the same curvature (``docs/curvature.md``'s block table). A
+    parameter leaf no layer reads (a temperature, a class token) that a glob matches by its path
+    gets an entry of its own (``Layout`` kind ``"leaf"``); its per-example statistics take a
+    backward pass of the whole model per example, with a warning.
 
     Returns:
         A spec for ``capture=``: ``captured[name]`` is a ``vk.curvature.LayerCurvature``.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -140,6 +141,7 @@ def transform(
         zero = jnp.zeros_like(value)
         seed = [jnp.ones_like(value), jnp.zeros_like(output)]
         grads, captured, new_state = pull(seed)
+        plain_grads = grads
         if with_hooks is not None:  # the returned gradient, the other records and the hooks' state
             hooked = _engine.replan(traced, with_hooks)
             grads, hooked_captured, new_state = _engine.linearize(hooked, hook_state)[2](seed)
@@ -170,8 +172,9 @@ def transform(
             rules[k] = rule
             chosen[k] = (spec, _example_axis(traced, site, rule, spec, n, name))
         unread = _unread_leaves(specs, paths, [r if isinstance(r, Layout) else r[1] for r in rules.values()])
-        exact = pulled(_losses.sqrt_hessian(mark)) if any(s.exact for s in specs) else None
-        mc = mc_grads = None
+        exact_seeds = _losses.sqrt_hessian(mark) if any(s.exact for s in specs) else None
+        exact = None if exact_seeds is None else pulled(exact_seeds)
+        mc = mc_grads = seeds = None
         sampled = [s for s in specs if s.sampled]
         if sampled:
             if key is None:
@@ -181,8 +184,8 @@ def transform(
                     "(f(params, x, y, key=jax.random.key(0)))."
                 )
             seeds = _losses.sampled(mark, key, max(s.mc_samples for s in sampled))
-            if unread:  # the passes' parameter gradients too, for the leaves no layer reads
-                mc_grads, mc = pulled(seeds, with_grads=True)
+            if any(set(u[3]) & set(_UNREAD) for u in unread):  # the leaves no layer reads: the
+                mc_grads, mc = pulled(seeds, with_grads=True)  # passes' parameter gradients too
             else:
                 mc = pulled(seeds)
         for k, rule in rules.items():
@@ -193,8 +196,12 @@ def transform(
                 spec.max_factor_dim,
             )  # fmt: skip
         _share(traced, captured, result_captured, chosen, exact, mc, n)
-        if mc_grads is not None:
-            _add_unread(unread, mc_grads, result_captured)
+        if unread:
+            _warn_unread(unread, traced, name, n)
+            per_example = _per_example_unread(
+                pull, zero, mark, exact_seeds, seeds, plain_grads, n, 0, name
+            )  # fmt: skip
+            _add_unread(unread, traced.leaves, mc_grads, per_example, result_captured)
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
             result = ((value, aux), user_grads) if has_aux else (value, user_grads)
@@ -260,16 +267,16 @@ def _share(traced, captured, result, chosen, exact, mc, n) -> None:
             )
 
 
-_UNREAD = ("kfac", "ekfac")  # the estimators a leaf no layer reads answers (_unread_leaves)
+_UNREAD = ("kfac", "ekfac")  # answered from the whole batch's Monte-Carlo passes (_add_unread)
 
 
 def _unread_leaves(specs, paths, layouts) -> list[tuple[int, str, Layout, tuple]]:
     """The differentiated leaves no chosen call's layout names (no layer reads it: a class
-    token, a bare scale; or a layer reads a value computed from it) that a spec asking for
-    ``kfac`` or ``ekfac`` matches by path: ``(index in paths, name, Layout, estimators)`` each.
-    Only leaves of the first differentiated argument (the params; ``kfac`` reads one tree),
-    named as the layers are (``"arg0/..."`` with several arguments); ``_add_unread`` skips the
-    non-float ones."""
+    token, a bare scale; or a layer reads a value computed from it) that a spec matches by
+    path: ``(index in paths, name, Layout, statistics asked)`` each (``grad_rows`` left out: a
+    dense call's). Only leaves of the first differentiated argument (the params; ``kfac`` reads
+    one tree), named as the layers are (``"arg0/..."`` with several arguments); ``_add_unread``
+    skips the non-float ones."""
     covered = set()
     for layout in layouts:
         named = [layout.weight_leaf, layout.bias_leaf, *(p for _, p in layout.leaves)]
@@ -283,30 +290,99 @@ def _unread_leaves(specs, paths, layouts) -> list[tuple[int, str, Layout, tuple]
         inner = jax.tree_util.keystr(keys, simple=True, separator="/")
         name = f"arg{argnum}/{inner}" if several and inner else inner or f"arg{argnum}"
         asked = tuple(
-            w for w in _UNREAD if any(w in s.which and matches_any(name, 0, s.layers) for s in specs)
+            dict.fromkeys(
+                w for s in specs if matches_any(name, 0, s.layers) for w in s.which if w not in ROWS
+            )
         )
         if asked:
             out.append((i, name, Layout("leaf", "", None, argnum=argnum, leaves=(("", keys),)), asked))
     return out
 
 
-def _add_unread(unread, mc_grads, result) -> None:
-    """Adds the entry of each leaf of ``_unread_leaves``: ``Diagonal(sum_m (J^T s_m)^2)``, the
-    squared parameter gradient of each Monte-Carlo pass, for each estimator asked. With
-    ``E[sum_m s_m s_m^T] = H`` and the labels drawn independently per position, its expectation
-    is the diagonal of the Monte-Carlo Fisher (GGN) of the mean loss for that leaf,
-    cross-example terms averaging to zero; a layer's ``diag_ggn_mc`` estimates the same
-    diagonal, per example. Real floating leaves only; keyed by the leaf's name (``"#leaf"``
-    added if a layer has that name), ``Layout`` kind ``"leaf"``."""
-    flat = [leaf for g in mc_grads for leaf in jax.tree.leaves(g)]
-    for i, name, layout, asked in unread:
-        g = flat[i]
-        if not jnp.issubdtype(g.dtype, jnp.floating):
-            continue
-        g = g.astype(stats_dtype(g.dtype))
+def _add_unread(unread, leaves, mc_grads, per_example, result) -> None:
+    """Adds the entry of each leaf of ``_unread_leaves`` (real floating leaves only; keyed by the
+    leaf's name, ``"#leaf"`` added if a layer has that name; ``Layout`` kind ``"leaf"``):
+
+    * ``kfac`` / ``ekfac``: ``Diagonal(sum_m (J^T s_m)^2)``, the squared parameter gradient of
+      each Monte-Carlo pass of the whole batch (``mc_grads``). With ``E[sum_m s_m s_m^T] = H``
+      and the labels drawn independently per position, its expectation is the diagonal of the
+      Monte-Carlo Fisher (GGN) of the mean loss for that leaf, cross-example terms averaging to
+      zero;
+    * every other statistic per example, as a local layer's (``_stats.local_stats``), from
+      ``per_example(which, params) -> {statistic: {index: value}}`` (``_per_example_unread``).
+    """
+    floating = [u for u in unread if jnp.issubdtype(leaves[u[0]].dtype, jnp.floating)]
+    rest = [u for u in floating if any(w not in _UNREAD for w in u[3])]
+    which = tuple(dict.fromkeys(w for u in rest for w in u[3] if w not in _UNREAD))
+    own = per_example(which, {str(u[0]): leaves[u[0]] for u in rest}) if rest else {}
+    flat = [] if mc_grads is None else [leaf for g in mc_grads for leaf in jax.tree.leaves(g)]
+    for i, name, layout, asked in floating:
+        fields = {}
+        for w in asked:
+            if w in _UNREAD:
+                g = flat[i].astype(stats_dtype(flat[i].dtype))
+                fields[w] = Diagonal(jnp.sum(jnp.square(g), axis=0))
+            else:
+                v = own[w]
+                fields[w] = Diagonal(v.diagonal[str(i)]) if isinstance(v, Diagonal) else v[str(i)]
         key = f"{name}#leaf" if name in result else name
-        block = Diagonal(jnp.sum(jnp.square(g), axis=0))
-        result[key] = LayerCurvature(**{w: block for w in asked}, layout=layout)
+        result[key] = LayerCurvature(**fields, layout=layout)
+
+
+def _warn_unread(unread, traced, transform: str, n: int) -> None:
+    """The warning for leaves whose per-example statistics take ``_per_example_unread``'s
+    masked pulls: which leaves, what reads them, and what to do."""
+    slow = [(name, [w for w in asked if w not in _UNREAD]) for _, name, _, asked in unread]
+    slow = [(name, which) for name, which in slow if which]
+    if not slow:
+        return
+    uses = {}
+    for use in traced.other_uses:
+        for leaf in use.leaves:
+            uses.setdefault(leaf, []).append(use.primitive + (f" inside {use.where}" if use.where else ""))
+    by = {name: ", ".join(dict.fromkeys(uses.get(name, ["a value computed from it"]))) for name, _ in slow}
+    listed = "; ".join(f"{name} ({', '.join(which)}; used by {by[name]})" for name, which in slow)
+    warnings.warn(
+        f"{transform}: vk.curvature.stats: no layer reads the leaves {listed}, so their per-example "
+        f"statistics take one backward pass of the whole model per example ({n}) and per seed, as "
+        "jax.vmap(jax.grad) would. To give such a leaf a layer's fast path, use it as a layer's "
+        "parameter as it is (x * scale, x @ W), or leave it out of the globs.",
+        stacklevel=3,
+    )
+
+
+def _per_example_unread(pull, zero, mark, exact, mc, grads, n, axis, where) -> Callable:
+    """``per_example(which, params)`` of ``_add_unread``: the leaves' per-example gradients by
+    masked pulls of the whole program, ``g_i = pull(0, s masked to example i)`` for each seed
+    ``s`` at the model output (the gradient's ``dL/d output``, the Hessian's square-root columns
+    ``exact``, the Monte-Carlo samples ``mc``), vmapped over the examples (on ``axis`` of the
+    output): a backward pass per example and seed, as ``jax.vmap(jax.grad)`` would take."""
+    flat_grads = [leaf for g in grads for leaf in jax.tree.leaves(g)]
+
+    def per_example(which, params):
+        at = [int(k) for k in params]
+
+        def grads_of(g):  # (N, *leaf) per leaf, keyed like params
+            def one(i):
+                shape = [1] * g.ndim
+                shape[axis] = g.shape[axis]
+                mask = (jnp.arange(g.shape[axis]) == i).reshape(shape)
+                got = [
+                    leaf
+                    for t in pull([zero, jnp.where(mask, g, jnp.zeros_like(g))])[0]
+                    for leaf in jax.tree.leaves(t)
+                ]
+                return {str(k): got[k] for k in at}
+
+            return jax.vmap(one)(jnp.arange(g.shape[axis]))
+
+        d = _losses.output_grad(mark)
+        grad_params = {str(k): flat_grads[k] for k in at}
+        return local_stats(
+            which, _local.from_grads(grads_of), params, grad_params, d, exact, mc, n, where, axis
+        )
+
+    return per_example
 
 
 def _examples_first(axis: int, x, d, ex, sm) -> tuple:
