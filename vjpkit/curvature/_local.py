@@ -42,7 +42,7 @@ class PerExample(NamedTuple):
     sq_norms: Callable[[jax.Array, Any], Any]  # (g, dtype) -> {leaf: (N,) ||g_i||^2}, like params
 
 
-def from_grads(per_example: Callable[[jax.Array], Any]) -> PerExample:
+def _from_grads(per_example: Callable[[jax.Array], Any]) -> PerExample:
     """``PerExample`` of ``per_example(g) -> {leaf: (N, *leaf)}``, the gradients formed."""
 
     def sum_sq(g, dtype):
@@ -83,22 +83,28 @@ def per_example_for(site: Any) -> Callable | None:
     return linearize
 
 
+def masked(pull: Callable[[jax.Array], Any], axis: int = 0) -> PerExample:
+    """``PerExample`` of ``pull(g) -> gradients`` (a vjp at output cotangents ``g``), taken
+    once per example at ``g`` masked to that example on ``axis``: ``N`` pulls, vmapped."""
+
+    def per_example(g):
+        examples = jnp.arange(g.shape[axis])
+
+        def one(i):
+            mask = jnp.expand_dims(examples == i, [d for d in range(g.ndim) if d != axis])
+            return pull(jnp.where(mask, g, 0).astype(g.dtype))
+
+        return jax.vmap(one)(examples)
+
+    return _from_grads(per_example)
+
+
 def _masked(closed: Any, flat: Callable) -> Callable:
     fn = jcore.jaxpr_as_fun(closed)
 
     def linearize(params, x, axis=0):
         _, pull = jax.vjp(lambda p: fn(*flat(p, x))[0], params)
-
-        def per_example(g):
-            examples = jnp.arange(g.shape[axis])
-
-            def one(i):
-                mask = jnp.expand_dims(examples == i, [d for d in range(g.ndim) if d != axis])
-                return pull(jnp.where(mask, g, 0).astype(g.dtype))[0]
-
-            return jax.vmap(one)(examples)
-
-        return from_grads(per_example)
+        return masked(lambda g: pull(g)[0], axis)
 
     return linearize
 
@@ -235,6 +241,6 @@ def _shared(site: Any, closed: Any, flat: Callable) -> Callable | None:
             each = [jnp.moveaxis(b, axis, 0).reshape(n, *s) for b, s in zip(bars, shapes)]
             return jax.vmap(lambda cs: pull_cuts(list(cs))[0])(each)
 
-        return from_grads(per_example)
+        return _from_grads(per_example)
 
     return linearize

@@ -198,9 +198,7 @@ def transform(
         _share(traced, captured, result_captured, chosen, exact, mc, n)
         if unread:
             _warn_unread(unread, traced, name, n)
-            per_example = _per_example_unread(
-                pull, zero, mark, exact_seeds, seeds, plain_grads, n, 0, name
-            )  # fmt: skip
+            per_example = _per_example_unread(pull, zero, mark, exact_seeds, seeds, plain_grads, n, name)
             _add_unread(unread, traced.leaves, mc_grads, per_example, result_captured)
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)
         if with_value:
@@ -351,36 +349,24 @@ def _warn_unread(unread, traced, transform: str, n: int) -> None:
     )
 
 
-def _per_example_unread(pull, zero, mark, exact, mc, grads, n, axis, where) -> Callable:
+def _per_example_unread(pull, zero, mark, exact, mc, grads, n, where) -> Callable:
     """``per_example(which, params)`` of ``_add_unread``: the leaves' per-example gradients by
-    masked pulls of the whole program, ``g_i = pull(0, s masked to example i)`` for each seed
-    ``s`` at the model output (the gradient's ``dL/d output``, the Hessian's square-root columns
-    ``exact``, the Monte-Carlo samples ``mc``), vmapped over the examples (on ``axis`` of the
-    output): a backward pass per example and seed, as ``jax.vmap(jax.grad)`` would take."""
+    masked pulls of the whole program (``_local.masked``), ``g_i = pull(0, s masked to example
+    i)`` for each seed ``s`` at the model output (the gradient's ``dL/d output``, the Hessian's
+    square-root columns ``exact``, the Monte-Carlo samples ``mc``; the examples on axis 0): a
+    backward pass per example and seed, as ``jax.vmap(jax.grad)`` would take."""
     flat_grads = [leaf for g in grads for leaf in jax.tree.leaves(g)]
 
     def per_example(which, params):
         at = [int(k) for k in params]
 
-        def grads_of(g):  # (N, *leaf) per leaf, keyed like params
-            def one(i):
-                shape = [1] * g.ndim
-                shape[axis] = g.shape[axis]
-                mask = (jnp.arange(g.shape[axis]) == i).reshape(shape)
-                got = [
-                    leaf
-                    for t in pull([zero, jnp.where(mask, g, jnp.zeros_like(g))])[0]
-                    for leaf in jax.tree.leaves(t)
-                ]
-                return {str(k): got[k] for k in at}
-
-            return jax.vmap(one)(jnp.arange(g.shape[axis]))
+        def leaves_of(g):  # the leaves' gradients of one pull, keyed like params
+            got = [leaf for t in pull([zero, g])[0] for leaf in jax.tree.leaves(t)]
+            return {str(k): got[k] for k in at}
 
         d = _losses.output_grad(mark)
         grad_params = {str(k): flat_grads[k] for k in at}
-        return local_stats(
-            which, _local.from_grads(grads_of), params, grad_params, d, exact, mc, n, where, axis
-        )
+        return local_stats(which, _local.masked(leaves_of), params, grad_params, d, exact, mc, n, where)
 
     return per_example
 
