@@ -21,7 +21,8 @@ from tests.test_per_example_scan import assert_matches, reference_norms, tf_init
 from vjpkit import nn
 from vjpkit.inspect import _per_example as pe
 
-SCANNED = ("blocks/attn/q", "blocks/fc/w", "blocks/fc/b", "blocks/ln1/scale", "blocks/proj/b")
+SCANNED = ("blocks/attn/q", "blocks/fc/w", "blocks/fc/b", "blocks/proj/b")
+NORMS = ("blocks/ln1/scale", "blocks/ln1/bias")  # small norm leaves: per example from the one pass
 
 
 def _leaves(analysis):
@@ -47,6 +48,8 @@ def test_scanned_leaves_are_reduced_in_the_backward_pass():
     for path in SCANNED:
         assert kinds_in[path] == "_Summed", (path, kinds_in[path])
         assert kinds_after[path] == "_Stacked", (path, kinds_after[path])
+    for path in NORMS:
+        assert kinds_in[path] == kinds_after[path] == "_Materialized", (path, kinds_in[path])
     assert kinds_in["embed"] == kinds_after["embed"]  # the tied/outside leaves keep their paths
     for a, b in zip(sq_in, sq_after):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)

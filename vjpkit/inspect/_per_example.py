@@ -71,7 +71,8 @@ Each parameter leaf gets its per-example gradient one of these ways:
   (``stats.reduced``: no ``B x`` kernel array kept); such a leaf's batch gradient is that sum
   (the layer's own weight gradient is then dead code). All in ``vjpkit.stats`` (``Rows.conv``),
   with dense weights and lookups.
-* a leaf used only outside the layers, not in a loop or branch (a class token, a temperature):
+* a leaf used only outside the layers, not in a loop or branch (a class token, a temperature),
+  and the vector or scalar leaves of norms and other per-example layers (``_small_local_leaves``):
   given to the loss broadcast over the examples, its gradient in the same pass is per example.
 * affine norms (layers that note themselves as ``_kinds.AffineNorm``: ``nn.rms_norm``,
   ``nn.batch_norm`` in eval mode): ``y = x_hat * scale + bias`` on the last axis, with
@@ -234,6 +235,47 @@ def _per_example_loss(
         return (total, losses) if with_losses else total
 
     return fun
+
+
+# B x floats of a local or norm layer's leaf given to the loss per example (_small_local_leaves)
+_GIVEN = 1 << 20
+
+
+def _small_local_leaves(
+    calls: list[_Call], users: dict, wanted: list, outside: dict, given: frozenset, paths: list,
+    params: Any, b: int,
+) -> frozenset:  # fmt: skip
+    """The leaves of affine norms and other per-example ("local") layers given to the loss per
+    example: the one backward pass then gives their per-example gradients exactly, for ``B x``
+    their floats, with no record kept and no per-example pull of the layer. Every leaf of such a
+    call, each a vector or scalar in the call (a scale, a bias, a gain: batched, it costs no more
+    than shared), small (``B x`` its floats at most ``_GIVEN``), used by such calls only, and no
+    sibling of a leaf another call uses (a residual bias ``x + h @ W + b`` beside its ``W``: a
+    batched ``b`` would change how the dense layer is matched)."""
+    parent = [p.rsplit("/", 1)[0] if "/" in p else "" for p in paths]
+    ndims = {ix: max(len(s) for c in cs for i, s in c.params.values() if i == ix) for ix, cs in users.items()}
+    sizes = [int(np.prod(jnp.shape(a))) for a in jax.tree.leaves(params)]
+    shared = {parent[ix] for c in calls for ix in c.order if ix is not None and not local_call(c)}
+
+    def ok(ix: int) -> bool:
+        return (
+            wanted[ix] and ix not in outside and ix not in given and ndims[ix] <= 1  # per call
+            and b * sizes[ix] <= _GIVEN
+            and all(local_call(c) for c in users[ix]) and parent[ix] not in shared
+        )  # fmt: skip
+
+    chosen = {ix for ix in users if ok(ix)}
+    partial = [c for c in calls if chosen & set(c.order) and not chosen >= set(c.order)]
+    while partial:  # a call keeps all its leaves per example or none (the others as before)
+        chosen -= {ix for c in partial for ix in c.order}
+        partial = [c for c in calls if chosen & set(c.order) and not chosen >= set(c.order)]
+    return frozenset(chosen)
+
+
+def local_call(c: _Call) -> bool:
+    """An affine norm's or another per-example ("local") layer's call on its own leaves only."""
+    kind = isinstance(c.kind, AffineNorm) or (c.foreign is not None and c.foreign.kind == "local")
+    return kind and None not in c.order and not c.derived
 
 
 def _broadcast(params: Any, given: frozenset, size: int) -> Any:
@@ -915,12 +957,15 @@ def analyze(
     given = frozenset(lifted) | frozenset(
         i for i in range(len(paths)) if wanted[i] and i in outside and not outside[i][0] and i not in users
     )
+    given |= _small_local_leaves(calls, users, wanted, outside, given, paths, params, batch_size)
     run = _per_example_loss(loss_fn, len(batch), reduction, who, True, given)
     run_params = _broadcast(params, given, batch_size) if given else params
 
     def _could_be_fast(c: _Call) -> bool:
-        if c.name in lifted_names or not any(
-            ix is not None and wanted[ix] and ix not in outside for ix, _ in c.params.values()
+        if (
+            c.name in lifted_names
+            or all(ix in given for ix in c.order)
+            or not any(ix is not None and wanted[ix] and ix not in outside for ix, _ in c.params.values())
         ):
             return False
         shapes = {k: s for k, (_, s) in c.params.items()}
@@ -1076,6 +1121,8 @@ def analyze(
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, _Factored) and leaf.ok is None and (done := leaf.reduced()) is not None:
             flat[i] = (done[1] / jnp.float32(scale)).astype(flat[i].dtype)
+        elif isinstance(leaf, _Summed) and leaf.total is not None:
+            flat[i] = (leaf.total / jnp.float32(scale)).astype(flat[i].dtype)
     grads = jax.tree.unflatten(treedef, flat)
     return Analysis(loss, grads, batch_size, paths, owners, leaves, treedef, captured, calls)
 
@@ -1087,6 +1134,7 @@ class _Summed(_Leaf):
     def __init__(self, part: dict, n_scans: int):
         self.sq = jnp.sum(part["sq"], axis=tuple(range(n_scans)))
         self.ok = None if part.get("ok") is None else jnp.all(part["ok"] > 0.5)
+        self.total = part.get("total")  # sum_i g_i per iteration, (*iterations, ...): the leaf's shape
 
     def sq_norms(self):
         return self.guard(self.sq)
@@ -1119,6 +1167,8 @@ def _in_backward(
             )
             ok = None if leaf.ok is None else leaf.ok.astype(jnp.float32)
             out[role] = {"sq": leaf.sq_norms(), "ok": ok}
+            if isinstance(leaf, _Factored) and leaf.ok is None and (done := leaf.reduced()) is not None:
+                out[role]["total"] = done[1]  # sum_i g_i: the batch gradient (its own is dropped)
         return out
 
     return fn
