@@ -168,3 +168,45 @@ def test_a_residual_bias_beside_its_weight_keeps_the_dense_path():
     kinds = _kinds(loss, params, (x,))
     assert kinds["ln/scale"] == "_Materialized" and "ln" not in kinds["captured"], kinds
     assert {"o/w", "o/b"} <= set(kinds["captured"]), kinds  # the bias's calls are captured, as before
+
+
+def test_flax_and_equinox_norms_come_from_the_one_backward_pass():
+    """Flax ``LayerNorm`` (a known per-example layer) and ``GroupNorm`` (no known kind), and an
+    Equinox ``LayerNorm``: their scale and bias are given per example; the dense layers keep
+    their records."""
+    nn = pytest.importorskip("flax.linen", reason="Flax is an optional extra: pip install 'vjpkit[flax]'")
+    eqx = pytest.importorskip("equinox", reason="Equinox is an optional extra: pip install 'vjpkit[equinox]'")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.LayerNorm()(nn.Dense(6)(x))
+            return nn.Dense(3)(nn.GroupNorm(num_groups=2)(x[:, None, :])[:, 0])
+
+    x = jax.random.normal(jax.random.key(0), (B, 5))
+    model = Model()
+    params = model.init(jax.random.key(1), x)
+
+    def loss(p, x):
+        return jnp.mean(jnp.square(model.apply(p, x)))
+
+    class Eqx(eqx.Module):
+        l1: eqx.nn.Linear
+        ln: eqx.nn.LayerNorm
+        l2: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.l2(self.ln(self.l1(x)))
+
+    k1, k2 = jax.random.split(jax.random.key(2))
+    emodel = Eqx(eqx.nn.Linear(5, 6, key=k1), eqx.nn.LayerNorm(6), eqx.nn.Linear(6, 3, key=k2))
+
+    def eloss(m, x):
+        return jnp.mean(jnp.square(jax.vmap(m)(x)))
+
+    for f, p, norms_at in ((loss, params, ("LayerNorm_0", "GroupNorm_0")), (eloss, emodel, ("ln",))):
+        _, _, norms = fast(jax.jit(vk.inspect.per_example_grad_norms(f)), p, x)
+        assert_matches(norms, f, p, x)
+        kinds = _kinds(f, p, (x,))
+        assert not set(norms_at) & set(kinds["captured"]), kinds["captured"]
+        assert any(k.endswith("Dense_0") or k == "l1" for k in kinds["captured"]), kinds["captured"]

@@ -72,7 +72,8 @@ Each parameter leaf gets its per-example gradient one of these ways:
   (the layer's own weight gradient is then dead code). All in ``vjpkit.stats`` (``Rows.conv``),
   with dense weights and lookups.
 * a leaf used only outside the layers, not in a loop or branch (a class token, a temperature),
-  and the vector or scalar leaves of norms and other per-example layers (``_small_local_leaves``):
+  and the vector or scalar leaves of norms, other per-example layers and layers of no known kind
+  (``_small_local_leaves``):
   given to the loss broadcast over the examples, its gradient in the same pass is per example.
 * affine norms (layers that note themselves as ``_kinds.AffineNorm``: ``nn.rms_norm``,
   ``nn.batch_norm`` in eval mode): ``y = x_hat * scale + bias`` on the last axis, with
@@ -245,13 +246,14 @@ def _small_local_leaves(
     calls: list[_Call], users: dict, wanted: list, outside: dict, given: frozenset, paths: list,
     params: Any, b: int,
 ) -> frozenset:  # fmt: skip
-    """The leaves of affine norms and other per-example ("local") layers given to the loss per
-    example: the one backward pass then gives their per-example gradients exactly, for ``B x``
-    their floats, with no record kept and no per-example pull of the layer. Every leaf of such a
-    call, each a vector or scalar in the call (a scale, a bias, a gain: batched, it costs no more
-    than shared), small (``B x`` its floats at most ``_GIVEN``), used by such calls only, and no
-    sibling of a leaf another call uses (a residual bias ``x + h @ W + b`` beside its ``W``: a
-    batched ``b`` would change how the dense layer is matched)."""
+    """The leaves of affine norms, other per-example ("local") layers and layers of no known kind
+    given to the loss per example: the one backward pass then gives their per-example gradients
+    exactly, for ``B x`` their floats, with no record kept and no per-example pull of the layer.
+    Every leaf of such a call, each a vector or scalar in the call (a scale, a bias, a gain:
+    batched, it costs no more than shared), small (``B x`` its floats at most ``_GIVEN``), used
+    by such calls only, and no sibling of a leaf another call uses (a residual bias
+    ``x + h @ W + b`` beside its ``W``: a batched ``b`` would change how the dense layer is
+    matched)."""
     parent = [p.rsplit("/", 1)[0] if "/" in p else "" for p in paths]
     ndims = {ix: max(len(s) for c in cs for i, s in c.params.values() if i == ix) for ix, cs in users.items()}
     sizes = [int(np.prod(jnp.shape(a))) for a in jax.tree.leaves(params)]
@@ -273,8 +275,11 @@ def _small_local_leaves(
 
 
 def local_call(c: _Call) -> bool:
-    """An affine norm's or another per-example ("local") layer's call on its own leaves only."""
-    kind = isinstance(c.kind, AffineNorm) or (c.foreign is not None and c.foreign.kind == "local")
+    """An affine norm's, another per-example ("local") layer's or a layer of no known kind's call
+    (a Flax ``GroupNorm``, a custom ``nn.layer``) on its own leaves only."""
+    kind = isinstance(c.kind, AffineNorm) or (
+        c.foreign.kind == "local" if c.foreign is not None else c.kind is None
+    )
     return kind and None not in c.order and not c.derived
 
 
