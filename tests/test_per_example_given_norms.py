@@ -204,9 +204,10 @@ def test_flax_and_equinox_norms_come_from_the_one_backward_pass():
     def eloss(m, x):
         return jnp.mean(jnp.square(jax.vmap(m)(x)))
 
-    for f, p, norms_at in ((loss, params, ("LayerNorm_0", "GroupNorm_0")), (eloss, emodel, ("ln",))):
+    # Only the two dense layers are captured (their names depend on whether vk.hookable patched
+    # Equinox's Linear earlier in the process: "l1" or "Linear"; a count does not).
+    for f, p in ((loss, params), (eloss, emodel)):
         _, _, norms = fast(jax.jit(vk.inspect.per_example_grad_norms(f)), p, x)
         assert_matches(norms, f, p, x)
         kinds = _kinds(f, p, (x,))
-        assert not set(norms_at) & set(kinds["captured"]), kinds["captured"]
-        assert any(k.endswith("Dense_0") or k == "l1" for k in kinds["captured"]), kinds["captured"]
+        assert len(kinds["captured"]) == 2, kinds["captured"]
