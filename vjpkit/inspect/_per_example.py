@@ -257,24 +257,23 @@ def _small_local_leaves(
     parent = [p.rsplit("/", 1)[0] if "/" in p else "" for p in paths]
     ndims = {ix: max(len(s) for c in cs for i, s in c.params.values() if i == ix) for ix, cs in users.items()}
     sizes = [int(np.prod(jnp.shape(a))) for a in jax.tree.leaves(params)]
-    shared = {parent[ix] for c in calls for ix in c.order if ix is not None and not local_call(c)}
+    shared = {parent[ix] for c in calls for ix in c.order if ix is not None and not _local_call(c)}
 
     def ok(ix: int) -> bool:
         return (
             wanted[ix] and ix not in outside and ix not in given and ndims[ix] <= 1  # per call
             and b * sizes[ix] <= _GIVEN
-            and all(local_call(c) for c in users[ix]) and parent[ix] not in shared
+            and all(_local_call(c) for c in users[ix]) and parent[ix] not in shared
         )  # fmt: skip
 
     chosen = {ix for ix in users if ok(ix)}
-    partial = [c for c in calls if chosen & set(c.order) and not chosen >= set(c.order)]
-    while partial:  # a call keeps all its leaves per example or none (the others as before)
+    # a call keeps all its leaves per example or none (the others as before)
+    while partial := [c for c in calls if chosen & set(c.order) and not chosen >= set(c.order)]:
         chosen -= {ix for c in partial for ix in c.order}
-        partial = [c for c in calls if chosen & set(c.order) and not chosen >= set(c.order)]
     return frozenset(chosen)
 
 
-def local_call(c: _Call) -> bool:
+def _local_call(c: _Call) -> bool:
     """An affine norm's, another per-example ("local") layer's or a layer of no known kind's call
     (a Flax ``GroupNorm``, a custom ``nn.layer``) on its own leaves only."""
     kind = isinstance(c.kind, AffineNorm) or (
@@ -1126,8 +1125,6 @@ def analyze(
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, _Factored) and leaf.ok is None and (done := leaf.reduced()) is not None:
             flat[i] = (done[1] / jnp.float32(scale)).astype(flat[i].dtype)
-        elif isinstance(leaf, _Summed) and leaf.total is not None:
-            flat[i] = (leaf.total / jnp.float32(scale)).astype(flat[i].dtype)
     grads = jax.tree.unflatten(treedef, flat)
     return Analysis(loss, grads, batch_size, paths, owners, leaves, treedef, captured, calls)
 
@@ -1139,7 +1136,6 @@ class _Summed(_Leaf):
     def __init__(self, part: dict, n_scans: int):
         self.sq = jnp.sum(part["sq"], axis=tuple(range(n_scans)))
         self.ok = None if part.get("ok") is None else jnp.all(part["ok"] > 0.5)
-        self.total = part.get("total")  # sum_i g_i per iteration, (*iterations, ...): the leaf's shape
 
     def sq_norms(self):
         return self.guard(self.sq)
@@ -1172,8 +1168,6 @@ def _in_backward(
             )
             ok = None if leaf.ok is None else leaf.ok.astype(jnp.float32)
             out[role] = {"sq": leaf.sq_norms(), "ok": ok}
-            if isinstance(leaf, _Factored) and leaf.ok is None and (done := leaf.reduced()) is not None:
-                out[role]["total"] = done[1]  # sum_i g_i: the batch gradient (its own is dropped)
         return out
 
     return fn
