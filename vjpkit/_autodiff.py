@@ -141,7 +141,7 @@ def _transform(
         _require_differentiable([args[i] for i in nums], nums, name)
         traced = _engine.trace(config, checked, args, kwargs, argnums=nums, has_aux=has_aux)
         value, aux, pullback = _engine.linearize(traced, hook_state)
-        grads, captured, new_state = pullback(
+        grads, captured, new_state, _ = pullback(
             [jnp.ones_like(value)]
         )  # ones_like keeps a shard_map varying type
         user_grads = grads[0] if isinstance(argnums, int) else tuple(grads)

@@ -368,7 +368,7 @@ def _hooked_vjp(f: Callable, primals: tuple, has_aux: bool, config: _context.Con
 
 
 def _pull(with_capture: bool, pull: Callable, seed: Any) -> Any:
-    grads, captured, _ = pull(seed)
+    grads, captured, _, _ = pull(seed)
     return (tuple(grads), captured) if with_capture else tuple(grads)
 
 

@@ -18,6 +18,8 @@ import nothing else from the engine. Rooms, dependencies pointing down:
 See ``docs/architecture.md``.
 """
 
+from ._carry import Part as Part
+from ._carry import part as part
 from ._driver import Traced as Traced
 from ._driver import configure as configure
 from ._driver import init_hook_state as init_hook_state
@@ -27,6 +29,7 @@ from ._driver import require_unsharded as require_unsharded
 from ._driver import trace as trace
 from ._handlers import Handler as Handler
 from ._handlers import chain as chain
+from ._handlers import records as records
 from ._handlers import tangent_hooks as tangent_hooks
 from ._plan import Plan as Plan
 from ._plan import Scanned as Scanned
@@ -50,6 +53,7 @@ __all__ = [
     "Handler",
     "Layout",
     "Nested",
+    "Part",
     "Plan",
     "Rule",
     "Scanned",
@@ -62,6 +66,8 @@ __all__ = [
     "init_hook_state",
     "linearize",
     "nested",
+    "part",
+    "records",
     "registered_rule",
     "registered_source",
     "replan",

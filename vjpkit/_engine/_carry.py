@@ -1,22 +1,19 @@
 """How a captured record travels out of the backward pass, exactly, as a probe's cotangent.
 
-Contract: ``slot_avals(record, spec)`` gives the probe's shapes for a call whose record has the
-shapes ``record``; ``slot_value(spec, rec)`` is the probe cotangent the rule returns;
-``decode`` puts a carried leaf back in its dtype. Cotangents are floats, so integer and boolean
+Contract: a handler's probe part is a ``Part``: ``part(avals)`` gives the shapes that carry a
+tree of the shapes ``avals``, ``encode`` the values that travel, ``decode`` puts a carried leaf
+back in its dtype. Cotangents are floats, so integer and boolean
 leaves travel as 16-bit chunks in float32 (exact, whatever is added to them), one chunk axis
 in front of the leaf's own axes; a PRNG key travels as its key data.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from .._capture import reduce_record
-from .._records import Cotangents
 
 
 def _chunks(dtype: Any) -> int:
@@ -64,30 +61,70 @@ def decode(c: jax.Array, dtype: Any, lead: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(total.astype(u), dtype)
 
 
-def slot_avals(record: Cotangents, spec: Any, n_host: int = 0) -> dict:
-    """The probe's (unstacked) shape tree: the captured record for ``spec``, and ``n_host``
-    whole records for the call's ``vk.on_host`` hooks."""
-    reduced = reduce_record(record, spec, shapes=True) if spec is not None else None
-    return {
-        "captured": jax.tree.map(_carried, reduced),
-        "dtypes": jax.tree.map(lambda a: a.dtype, reduced),
-        "host": tuple(jax.tree.map(_carried, record) for _ in range(n_host)),
-        "host_dtypes": jax.tree.map(lambda a: a.dtype, record),
-        "ran": jax.ShapeDtypeStruct((), jnp.float32),
-        "seen": jax.ShapeDtypeStruct((), jnp.float32),
-    }
+FLAGS = ("ran", "seen")  # the parts ``_handlers.chain`` adds to every probe
+BARE = ("host", *FLAGS)  # parts that carry no record of an unreached call (no "live" carrier)
 
 
-def slot_value(spec: Any, rec: Cotangents, host: Any = (), ran: bool = True) -> dict:
-    """The probe cotangent that carries ``rec`` (and the records host hooks saw) out.
+class Part(NamedTuple):
+    """One named part of a layer call's probe (a handler's, ``_handlers``).
 
-    ``ran``: the call's backward pass ran (``False`` for a call the loss does not reach, whose
-    record has its forward values and zero cotangents); ``seen`` is 1 either way.
+    Attributes:
+        carried: the ``ShapeDtypeStruct`` tree that travels as the probe's cotangent.
+        dtypes: the dtype each carried leaf decodes to (``decode``), the same structure.
     """
-    captured = jax.tree.map(encode, reduce_record(rec, spec)) if spec is not None else None
-    return {
-        "captured": captured,
-        "host": tuple(jax.tree.map(encode, r) for r in host),
-        "ran": jnp.asarray(1.0 if ran else 0.0, jnp.float32),
-        "seen": jnp.ones((), jnp.float32),
-    }
+
+    carried: Any
+    dtypes: Any
+
+
+def part(avals: Any) -> Part:
+    """The probe part that carries a tree of the shapes ``avals`` (any dtypes) exactly."""
+    return Part(jax.tree.map(_carried, avals), jax.tree.map(lambda a: a.dtype, avals))
+
+
+def zeros(p: Part) -> Any:
+    """The part's value when its handler put nothing in it."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), p.carried)
+
+
+def read(plan: Any, probe_grads: dict, name: str, mask: bool = True) -> dict:
+    """``{call key: value}`` of the part ``name`` of every call whose probe has it, decoded, in
+    backward order. With ``mask``, a call of a ``lax.cond`` branch not taken gives NaN
+    (integers 0), never plausible zeros."""
+    out = {}
+    for key in reversed(plan.order):
+        site = plan.by_key[key]
+        if key not in probe_grads or site.slot is None or name not in site.slot:
+            continue
+        g = probe_grads[key]
+        lead = len(site.stack)
+        value = jax.tree.map(lambda c, dt, lead=lead: decode(c, dt, lead), g[name], site.slot[name].dtypes)
+        if mask and site.in_cond:
+            ran = g["seen"] > 0  # the call ran in the branch taken (reached by the loss or not)
+
+            def fill(x, ran=ran):
+                r = ran.reshape(ran.shape + (1,) * (x.ndim - ran.ndim))
+                nan = jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else 0
+                return jnp.where(r, x, jnp.asarray(nan, x.dtype))
+
+            value = jax.tree.map(fill, value)
+        out[key] = value
+    return out
+
+
+def select(plan: Any, records: dict) -> dict:
+    """The captured records of ``read``, each call's kept iterations only: a glob ``blocks[2]``
+    keeps that iteration's record, as ``"blocks[2]"``; a glob without ``[i]`` the whole stack."""
+    out = {}
+    for key, rec in records.items():
+        site = plan.by_key[key]
+        kept = site.spec.iterations(site.name, site.call)
+        if kept is None:
+            out[key] = rec
+        for wanted in kept or ():
+            index = iter(wanted)
+            at = tuple(slice(None) if s else next(index) for s in site.sharded)
+            at = tuple(slice(None) if i is None else i for i in at)
+            name = key + "".join(f"[{'*' if i is None else i}]" for i in wanted)
+            out[name] = jax.tree.map(lambda a, at=at: a[at], rec)
+    return out

@@ -14,10 +14,11 @@ outside the engine builds a configuration or a trace itself.
   with them as inputs, as under ``jax.jit`` (kept unless it needs them concrete).
 * ``linearize(traced, hook_state, log)`` evaluates the program under ``jax.vjp`` through the
   runner, and returns ``(out, aux, pull)``. ``pull(seed)`` returns ``(grads, captured, new
-  hook state)`` with one gradient per differentiated argument; the host deliveries of the
-  backward pass (``vk.on_host`` hooks, then capture ``host=``) are chained and tied ONCE to
-  everything it returns.
-* ``replan(traced, config)``: the same program planned for another configuration.
+  hook state, results)`` with one gradient per differentiated argument, the user's captured
+  records, and ``results`` the other handlers' results (``trace(..., handlers=)``, by name);
+  the host deliveries of the backward pass (``vk.on_host`` hooks, then capture ``host=``) are
+  chained and tied ONCE to everything it returns.
+* ``replan(traced, config, handlers)``: the same program planned for another configuration.
 * ``init_hook_state(traced)`` gives the initial ``HookState`` of the configuration.
 """
 
@@ -38,7 +39,7 @@ from .._capture import CaptureSpec, as_specs
 from .._errors import ConfigError, VjpkitError
 from .._hook_base import HookState
 from .._trees import is_traced, vary, varying_axes
-from . import _fori, _handlers, _match, _slots
+from . import _carry, _fori, _handlers, _match, _slots
 from ._plan import Plan, Site
 from ._run import Runner
 
@@ -196,7 +197,7 @@ def _data_as_inputs(flat: Callable, leaves: list, args: Sequence, kwargs: dict, 
     return _compat.closed_jaxpr(program, [*(data[i] for i in at), *matched.consts]), other, shape
 
 
-def replan(traced: Traced, config: _context.Config) -> Traced:
+def replan(traced: Traced, config: _context.Config, handlers: Sequence[_handlers.Handler] = ()) -> Traced:
     """The same traced program planned for another configuration (no new trace).
 
     A transform that pulls one program with different handlers per backward pass (curvature
@@ -204,7 +205,12 @@ def replan(traced: Traced, config: _context.Config) -> Traced:
     once; each pull traces its own backward pass, so no handler decision is shared through
     JAX's caches of transposed programs.
     """
-    plan = Plan(config, traced.closed.jaxpr, [True] * len(traced.leaves), _handlers.default())
+    plan = Plan(
+        config,
+        traced.closed.jaxpr,
+        [True] * len(traced.leaves),
+        _handlers.chain(_handlers.default(), *handlers),
+    )
     config.check_matched(plan.names)
     return dataclasses.replace(traced, plan=plan)
 
@@ -284,13 +290,14 @@ def linearize(traced: Traced, hook_state: Any = None, log: list | None = None):
 
 def _pull(plan: Plan, tree: Any, pullback: Callable, states0: dict, hook_state: Any, seed: Any) -> tuple:
     g_leaves, g_probes, g_states = pullback((list(jax.tree.leaves(seed)), states0))
-    captured = _slots.read_captured(plan, g_probes)
+    results = plan.handlers.result(plan, functools.partial(_carry.read, plan, g_probes))
+    captured = results.pop("captured")
     host, token = _slots.send_host(plan, g_probes, hook_state)
     state = _slots.new_state(plan, hook_state, g_states, host)
     state, token = _slots.deliver(plan.config, captured, state, after=token)
     grads = jax.tree.unflatten(tree, g_leaves)
     _hooks.warn_kept()  # the backward pass is traced: a record still alive was kept by a hook
-    return _host.tie(token, (grads, captured, state))
+    return _host.tie(token, (grads, captured, state, results))
 
 
 def init_hook_state(traced: Traced) -> HookState:

@@ -28,7 +28,7 @@ from jax.extend import core as jcore
 from .._errors import ConfigError
 from .._hook_base import at_iteration
 from .._records import Cotangents, call_key
-from . import _site
+from . import _carry, _site
 from ._rules import At, Scanned, rule_for, sub_programs
 
 __all__ = ["Plan", "Scanned", "Site"]
@@ -64,7 +64,7 @@ class Site:
         in_cond: inside a ``lax.cond`` branch.
         record: the record's fields as ``ShapeDtypeStruct`` trees (unstacked).
         state: the hook state's ``ShapeDtypeStruct`` tree, or ``None`` when stateless.
-        slot: the probe's carried ``ShapeDtypeStruct`` tree (the handlers' parts), or ``None``.
+        slot: the probe's parts, ``{name: _carry.Part}`` (the handlers' own and the flags), or ``None``.
         stack: the sizes of the enclosing scans (lengths) and shard_maps (shards), outermost
             first: the leading axes of the call's probes and records; sharded: per entry,
             whether it is a shard_map. ``scans`` and ``shards`` are their two parts.
@@ -106,14 +106,16 @@ class Site:
 
     @property
     def active(self) -> bool:
-        return bool(self.hooks) or self.spec is not None
+        return bool(self.hooks) or self.slot is not None
 
     @property
     def carrier(self) -> str | None:
         """The states key of the call's "live" carrier: a captured call's pass-through value whose
         seeded cotangent makes its backward rule run even when the loss does not reach it
-        (its record then has its forward values and zero cotangents); ``None`` when uncaptured."""
-        return f"{self.key}\x00live" if self.spec is not None else None
+        (its record then has its forward values and zero cotangents); ``None`` when no handler
+        carries its record (only its host hooks' records, or nothing)."""
+        records = self.slot is not None and any(k not in _carry.BARE for k in self.slot)
+        return f"{self.key}\x00live" if records else None
 
     @property
     def layout(self) -> _site.Layout:
@@ -222,7 +224,7 @@ class Plan:
         _check_iterations(config, key, lengths, hooks, spec.iterations(name, call) if spec else None)
         host = tuple(h for h in hooks if getattr(h, "deferred", False))
         state = self.handlers.state(hooks, record, key)
-        slot = self.handlers.slot(record, spec, host)
+        slot = self.handlers.slot(name, call, record, spec, host)
         stack, sharded = tuple(n for _, n, _ in at.stack), tuple(s for _, _, s in at.stack)
         if state is not None and any(sharded):  # each shard keeps its own state
             shards = tuple(n for n, s in zip(stack, sharded) if s)

@@ -1,7 +1,8 @@
 """Slots and hook state: how captured records and new states leave the backward pass.
 
-Contract: an active layer call with a capture spec owns a *slot*: a zero "probe" operand whose
-cotangent the rule sets to ``{"captured": record, "ran": 1}``. Slot shapes come from the plan
+Contract: an active layer call that a handler wants owns a *slot*: a zero "probe" operand whose
+cotangent the rule sets to the handlers' named parts (``{"captured": record, "host": (...),
+"ran": 1, "seen": 1}``; ``_handlers``). Slot shapes come from the plan
 (the program's types), never from a second trace. A call inside ``lax.scan`` or
 ``jax.shard_map`` has its probe stacked on a leading axis per enclosing scan (its length) or
 shard_map (its shards), outermost first, so its records come back one per iteration and shard.
@@ -27,7 +28,7 @@ from .. import _context, _hooks, _host
 from .._check import check_like
 from .._errors import ConfigError
 from .._hook_base import HookState
-from ._carry import decode
+from ._carry import read
 
 THREADING = (
     "Create the state once with `state = vk.init_hook_state(g, *args)`, pass it as "
@@ -39,52 +40,17 @@ THREADING = (
 
 
 def _stacked(site: Any) -> Any:
-    carried = {k: site.slot[k] for k in ("captured", "host", "ran", "seen")}
+    carried = {name: p.carried for name, p in site.slot.items()}
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct((*site.stack, *a.shape), a.dtype), carried)
 
 
 def probes(plan: Any) -> dict:
-    """Zero probes for every call of ``plan`` that is captured or has ``vk.on_host`` hooks."""
+    """Zero probes for every call of ``plan`` that has probe parts (captured, host hooks, ...)."""
     return {
         s.key: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), _stacked(s))
         for s in plan.active()
         if s.slot is not None
     }
-
-
-def read_captured(plan: Any, probe_grads: dict) -> dict:
-    """``{call key: Cotangents}`` from the probes' gradients, in backward order."""
-    out = {}
-    for key in reversed(plan.order):
-        site = plan.by_key[key]
-        if key not in probe_grads or site.spec is None:
-            continue
-        g = probe_grads[key]
-        lead = len(site.stack)
-        rec = jax.tree.map(
-            lambda c, dt, lead=lead: decode(c, dt, lead),
-            g["captured"],
-            site.slot["dtypes"],
-        )
-        if site.in_cond:  # a branch not taken makes no record: NaN (integers 0), not zeros
-            ran = g["seen"] > 0  # the call ran in the branch taken (reached by the loss or not)
-
-            def mask(x, ran=ran):
-                r = ran.reshape(ran.shape + (1,) * (x.ndim - ran.ndim))
-                fill = jnp.nan if jnp.issubdtype(x.dtype, jnp.inexact) else 0
-                return jnp.where(r, x, jnp.asarray(fill, x.dtype))
-
-            rec = jax.tree.map(mask, rec)
-        kept = site.spec.iterations(site.name, site.call)
-        if kept is None:
-            out[key] = rec
-        for wanted in kept or ():  # a glob "blocks[2]": that iteration's record, as "blocks[2]"
-            index = iter(wanted)
-            at = tuple(slice(None) if s else next(index) for s in site.sharded)
-            at = tuple(slice(None) if i is None else i for i in at)
-            name = key + "".join(f"[{'*' if i is None else i}]" for i in wanted)
-            out[name] = jax.tree.map(lambda a, at=at: a[at], rec)
-    return out
 
 
 def send_host(plan: Any, probe_grads: dict, hook_state: Any) -> tuple[dict, jax.Array | None]:
@@ -108,14 +74,11 @@ def send_host(plan: Any, probe_grads: dict, hook_state: Any) -> tuple[dict, jax.
     if not groups:
         return host, None
     payload, order = [], []
+    sent = read(plan, probe_grads, "host", mask=False)
     for sites in groups.values():
         entries = []
         for site in sites:
-            g = probe_grads[site.key]
-            lead = len(site.stack)
-            recs = [jax.tree.map(lambda c, dt, lead=lead: decode(c, dt, lead), r, site.slot["host_dtypes"])
-                    for r in g["host"]]  # fmt: skip
-            payload.append((recs, g["ran"]))
+            payload.append((list(sent[site.key]), probe_grads[site.key]["ran"]))
             entries.append(site.host)
         order.append((sites[0].stack, sites[0].sharded, entries))
     due = {}

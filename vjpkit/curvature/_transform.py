@@ -2,8 +2,9 @@
 
 Contract. The loss is traced once through the engine with its registered loss's output (the
 model output, ``_losses``) as an extra output of the program, and linearized once. The
-gradient's backward pass is seeded ``(1, 0)`` and captures every chosen layer's ``params``,
-``input``, ``grad_output`` and ``grad_params``; the curvature passes pull the same
+gradient's backward pass is seeded ``(1, 0)``; an engine handler (``_engine.records``, its own
+probe part ``"curvature"``, beside the user's capture) carries every chosen layer's ``params``,
+``input``, ``grad_output`` and ``grad_params`` out of it; the curvature passes pull the same
 linearization again, vmapped over their seeds ``(0, S_k)``: the loss Hessian's square-root
 columns for ``kflr`` / ``diag_ggn``, Monte-Carlo samples for ``kfac`` / ``diag_ggn_mc`` (the
 transformed function then takes ``key=``). Each chosen layer's statistics come from those
@@ -52,6 +53,8 @@ from ._stats import (
 )
 from ._types import Diagonal, LayerCurvature, Layout, stats_dtype
 
+_PART = "curvature"  # the engine probe part that carries the statistics' records
+
 
 def _split(capture: Any, name: str) -> tuple[tuple[StatsSpec, ...], tuple[CaptureSpec, ...]]:
     items = _capture.items(capture)
@@ -77,9 +80,12 @@ def transform(
             raise ConfigError(f"{name}: capture host= cannot be combined with vk.curvature.stats.")
     globs = tuple(dict.fromkeys(g for s in specs for g in s.layers))
     raw = CaptureSpec(globs, ("params", "input", "grad_output", "grad_params"), None)
+    # the statistics' records travel in their own probe part, beside the user's capture
+    records = _engine.records(_PART, lambda layer, call: raw if raw.matches(layer, call) else None)
     # with hooks, the gradient's pass has its own plan (hooks + the other specs), pulled once
     with_hooks = _engine.configure(hooks, others, name, match) if hooks else None
-    config = _engine.configure(None, (raw,) if hooks else (raw, *others), name, match)
+    config = _engine.configure(None, () if hooks else others, name, match)
+    wanted = _engine.configure(None, (raw,), name, match)  # its globs must each match a layer
     checked = _autodiff._scalar_loss(fun, has_aux, name)
 
     loss_takes_key = _takes_key(fun)
@@ -134,37 +140,39 @@ def transform(
             kinds[:] = [marks[0].kind]
             return (loss, marks[0].output), (aux, marks[0].target)
 
-        traced = _engine.trace(config, marked, args, kwargs, argnums=nums, has_aux=True)
+        traced = _engine.trace(config, marked, args, kwargs, argnums=nums, has_aux=True, handlers=[records])
+        wanted.check_matched(traced.plan.names)
         _engine.require_unsharded(traced, "curvature statistics")
         (value, output), (aux, target), pull = _engine.linearize(traced)
         mark = _losses.Mark(kinds[0], output, target)
         zero = jnp.zeros_like(value)
         seed = [jnp.ones_like(value), jnp.zeros_like(output)]
-        grads, captured, new_state = pull(seed)
-        plain_grads = grads
+        grads, captured, new_state, results = pull(seed)
+        plain_grads, recs = grads, results[_PART]
         if with_hooks is not None:  # the returned gradient, the other records and the hooks' state
             hooked = _engine.replan(traced, with_hooks)
-            grads, hooked_captured, new_state = _engine.linearize(hooked, hook_state)[2](seed)
-        else:
-            hooked_captured = captured
+            grads, captured, new_state, _ = _engine.linearize(hooked, hook_state)[2](seed)
 
         def pulled(seeds, with_grads=False):
             if with_grads:  # also the parameters' gradients of each seeded pass
-                return jax.vmap(lambda s: pull([zero, s])[:2])(seeds)
-            return jax.vmap(lambda s: pull([zero, s])[1])(seeds)
+                return jax.vmap(lambda s: (lambda p: (p[0], p[3][_PART]))(pull([zero, s])))(seeds)
+            return jax.vmap(lambda s: pull([zero, s])[3][_PART])(seeds)
 
         n = output.shape[0]
         paths = _leaf_paths([args[i] for i in nums], nums)
-        result_captured, chosen, rules = {}, {}, {}
-        for k, rec in hooked_captured.items():  # the other specs' records (after the hooks)
-            if with_hooks is not None or traced.plan.by_key[k].spec is not raw:
-                result_captured[k] = rec
-        for k, rec in captured.items():  # the rules first: they say which leaves no layer reads
+        both = sorted(set(captured) & set(recs))
+        if both:
+            raise ConfigError(
+                f"{name}: layer call(s) {both} are chosen both by vk.curvature.stats and by another "
+                "capture spec, and captured[name] holds one entry per call. Capture them in a "
+                "separate call (vk.capture alone), or choose other layers for one of the two."
+            )
+        result_captured, chosen, rules = dict(captured), {}, {}  # the other specs' records (after the hooks)
+        for k, rec in recs.items():  # the rules first: they say which leaves no layer reads
             site = traced.plan.by_key[k]
             spec = next((s for s in specs if matches_any(site.name, site.call, s.layers)), None)
-            if spec is None or site.spec is not raw:
-                if spec is None and site.spec is raw:
-                    result_captured[k] = rec
+            if spec is None:
+                result_captured[k] = rec
                 continue
             if not jax.tree.leaves(rec.params) or traced.plan.contains_calls(site):
                 continue  # no parameters, or a container (its layers have their own statistics)
@@ -190,12 +198,12 @@ def transform(
                 mc = pulled(seeds)
         for k, rule in rules.items():
             spec, axis = chosen[k]
-            site, rec = traced.plan.by_key[k], captured[k]
+            site, rec = traced.plan.by_key[k], recs[k]
             result_captured[k] = _stacked_stats(
                 spec.which, rule, rec, exact and exact[k], mc and mc[k], n, len(site.scans), k, axis,
                 spec.max_factor_dim,
             )  # fmt: skip
-        _share(traced, captured, result_captured, chosen, exact, mc, n)
+        _share(traced, recs, result_captured, chosen, exact, mc, n)
         if unread:
             _warn_unread(unread, traced, name, n)
             per_example = _per_example_unread(pull, zero, mark, exact_seeds, seeds, plain_grads, n, name)

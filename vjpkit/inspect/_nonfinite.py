@@ -116,7 +116,7 @@ def _counts(loss_fn: Callable, args: tuple, kwargs: dict) -> tuple[float, dict, 
                 f"vk.inspect.find_nonfinite: loss_fn must return a scalar loss, got shape "
                 f"{getattr(loss, 'shape', type(loss).__name__)}."
             )
-        _, captured, _ = pull([jnp.ones((), loss.dtype)])
+        _, captured, _, _ = pull([jnp.ones((), loss.dtype)])
         backward[:] = captured  # at trace time the dict is in backward order; jit returns it sorted
         return loss, captured
 
