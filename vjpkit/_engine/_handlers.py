@@ -49,7 +49,7 @@ class Handler(NamedTuple):
             does not depend on; ``rec`` has its forward values and zero cotangents. Fills its own
             ``parts`` (no hook runs).
         result: ``result(plan, read) -> dict``: what the handler gives back after a backward
-            pass, from ``read(part) -> {call key: decoded value}`` (``_slots.read``).
+            pass, from ``read(part) -> {call key: decoded value}`` (``_carry.read``).
     """
 
     state: Callable | None = None
