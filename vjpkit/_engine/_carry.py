@@ -62,7 +62,6 @@ def decode(c: jax.Array, dtype: Any, lead: int) -> jax.Array:
 
 
 FLAGS = ("ran", "seen")  # the parts ``_handlers.chain`` adds to every probe
-BARE = ("host", *FLAGS)  # parts that carry no record of an unreached call (no "live" carrier)
 
 
 class Part(NamedTuple):
@@ -71,15 +70,18 @@ class Part(NamedTuple):
     Attributes:
         carried: the ``ShapeDtypeStruct`` tree that travels as the probe's cotangent.
         dtypes: the dtype each carried leaf decodes to (``decode``), the same structure.
+        unreached: the part wants the call's record also when the loss does not reach the call
+            (the plan then gives the call a "live" carrier, ``Site.carrier``).
     """
 
     carried: Any
     dtypes: Any
+    unreached: bool = True
 
 
-def part(avals: Any) -> Part:
+def part(avals: Any, unreached: bool = True) -> Part:
     """The probe part that carries a tree of the shapes ``avals`` (any dtypes) exactly."""
-    return Part(jax.tree.map(_carried, avals), jax.tree.map(lambda a: a.dtype, avals))
+    return Part(jax.tree.map(_carried, avals), jax.tree.map(lambda a: a.dtype, avals), unreached)
 
 
 def zeros(p: Part) -> Any:

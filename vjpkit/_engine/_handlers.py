@@ -86,7 +86,9 @@ def chain(*handlers: Handler) -> Handler:
                 if name not in FLAGS:  # a chain's own (a chain of chains)
                     parts[name] = p
         return (
-            {**parts, **dict.fromkeys(FLAGS, part(jax.ShapeDtypeStruct((), jnp.float32)))} if parts else None
+            {**parts, **dict.fromkeys(FLAGS, part(jax.ShapeDtypeStruct((), jnp.float32), unreached=False))}
+            if parts
+            else None
         )
 
     def filled(site, parts, ran):
@@ -141,7 +143,7 @@ def hooks() -> Handler:
         return avals
 
     def slot(name, call, record, spec, host):
-        return {"host": part(tuple(record for _ in host))} if host else None
+        return {"host": part(tuple(record for _ in host), unreached=False)} if host else None
 
     def before(site, rec, state):
         if not any(is_before(h) for h in site.hooks):

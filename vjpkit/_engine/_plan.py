@@ -28,7 +28,7 @@ from jax.extend import core as jcore
 from .._errors import ConfigError
 from .._hook_base import at_iteration
 from .._records import Cotangents, call_key
-from . import _carry, _site
+from . import _site
 from ._rules import At, Scanned, rule_for, sub_programs
 
 __all__ = ["Plan", "Scanned", "Site"]
@@ -112,10 +112,10 @@ class Site:
     def carrier(self) -> str | None:
         """The states key of the call's "live" carrier: a captured call's pass-through value whose
         seeded cotangent makes its backward rule run even when the loss does not reach it
-        (its record then has its forward values and zero cotangents); ``None`` when no handler
-        carries its record (only its host hooks' records, or nothing)."""
-        records = self.slot is not None and any(k not in _carry.BARE for k in self.slot)
-        return f"{self.key}\x00live" if records else None
+        (its record then has its forward values and zero cotangents); ``None`` when no probe part
+        wants that record (``Part.unreached``: host hooks' records and the flags do not)."""
+        wanted = self.slot is not None and any(p.unreached for p in self.slot.values())
+        return f"{self.key}\x00live" if wanted else None
 
     @property
     def layout(self) -> _site.Layout:

@@ -154,9 +154,11 @@ def transform(
             grads, captured, new_state, _ = _engine.linearize(hooked, hook_state)[2](seed)
 
         def pulled(seeds, with_grads=False):
-            if with_grads:  # also the parameters' gradients of each seeded pass
-                return jax.vmap(lambda s: (lambda p: (p[0], p[3][_PART]))(pull([zero, s])))(seeds)
-            return jax.vmap(lambda s: pull([zero, s])[3][_PART])(seeds)
+            def one(s):  # the statistics' records of one seeded pass (and its parameters' gradients)
+                g, _, _, results = pull([zero, s])
+                return (g, results[_PART]) if with_grads else results[_PART]
+
+            return jax.vmap(one)(seeds)
 
         n = output.shape[0]
         paths = _leaf_paths([args[i] for i in nums], nums)
