@@ -14,8 +14,10 @@
   (``pytest_configure_node``), so a program compiled by one worker is a cache hit in the other;
   The cache has no size cap: a capped cache rescans its whole directory on every write (a
   default tier went from about 8 to over 15 minutes). Without a cap JAX does not lock the
-  files, so a worker can read an entry the other is still writing: JAX then warns ("Error
-  reading persistent compilation cache entry", filtered in pyproject.toml) and compiles.
+  files, so a worker could read an entry the other is still writing: a truncated executable
+  crashed a worker once (a segfault in ``compilation_cache.get_executable_and_time``, jax
+  0.10.1). ``_atomic_cache_writes`` makes each write a rename of a finished file, so a reader
+  sees a whole entry or none.
   ``VJPKIT_TEST_XLA_CACHE`` names a directory to use (and keep) instead: CI shares one cache
   between the two runs of a stage. Otherwise nothing carries over between sessions.
 * **Fast code generation.** The default tier sets ``--xla_backend_optimization_level=0`` in
@@ -33,7 +35,10 @@
 from __future__ import annotations
 
 import collections
+import importlib
+import importlib.util
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -97,7 +102,36 @@ def _cache_dir() -> str:
     return _OWN_CACHE[0]
 
 
+def _atomic_cache_writes() -> None:
+    """JAX's uncapped persistent cache writes an entry in place (``LRUCache.put``); written to a
+    temporary file and renamed instead, another worker never reads a partial entry. Left as it
+    is if JAX's cache class is not the one this knows (another JAX version)."""
+    if importlib.util.find_spec("jax._src.lru_cache") is None:
+        return
+    lru_cache = importlib.import_module("jax._src.lru_cache")
+    cls, suffix = getattr(lru_cache, "LRUCache", None), getattr(lru_cache, "_CACHE_SUFFIX", None)
+    if cls is None or suffix is None or getattr(cls.put, "_vjpkit_atomic", False):
+        return
+    original = cls.put
+
+    def put(self, key, value):
+        path = getattr(self, "path", None)
+        if getattr(self, "eviction_enabled", True) or not isinstance(path, pathlib.Path) or not key:
+            return original(self, key, value)  # a capped cache locks its files itself
+        target = path / f"{key}{suffix}"
+        if target.exists():
+            return None
+        tmp = path / f".{key}{suffix}.{os.getpid()}.tmp"
+        tmp.write_bytes(value)
+        tmp.replace(target)
+        return None
+
+    put._vjpkit_atomic = True
+    cls.put = put
+
+
 def pytest_configure(config):
+    _atomic_cache_writes()
     worker = getattr(config, "workerinput", None)
     path = worker[_CACHE_KEY] if worker is not None and _CACHE_KEY in worker else _cache_dir()
     # Eager calls of a hooked transform dispatch small programs that miss JAX's in-memory caches;
