@@ -25,14 +25,15 @@ batch gradient), ``vk.inspect.per_example_grad_norms`` (default ``check=True``),
 ``check=False``, ``vmap(grad) + norms`` (``jax.vmap(jax.grad)`` over the examples, then the
 norms) and ``vk.value_and_grad`` capturing every matched layer's norms
 (``capture=vk.capture("*", fields=["grad_output", "grad_input", "grad_params"],
-reduce="norm")``). Time: interleaved, shuffled rounds over small blocks of calls after a
-warm-up, medians of the per-round ratios to ``value_and_grad``. Memory: XLA's
-``memory_analysis().temp_size_in_bytes`` of each compiled function. Targets (judged, never
-asserted): per-example norms (``check=True``) <= 1.3x time and <= 1.5x temp memory; capture
-<= 1.10x time. Also: the largest relative difference of vjpkit's total norms from
-``vmap(grad)``'s, and every ``UserWarning`` raised while each row is traced, compiled and
-called (vjpkit's fallback warnings name the layers that left the fast paths): in the JSON and
-the printed table.
+reduce="norm")``), and ``value_and_grad`` with a host callback in a ``lax.cond`` branch never
+taken (what ``check=True``'s warning adds to the program, alone: no target). Time: interleaved,
+shuffled rounds over small blocks of calls after a warm-up, medians of the per-round ratios to
+``value_and_grad``. Memory: XLA's ``memory_analysis().temp_size_in_bytes`` of each compiled
+function; the number of fusions in its optimized HLO beside it. Targets (judged, never
+asserted): per-example norms (``check=True``) <= 1.3x time and <= 1.5x temp memory; capture <=
+1.10x time. Also: the largest relative difference of vjpkit's total norms from ``vmap(grad)``'s,
+and every ``UserWarning`` raised while each row is traced, compiled and called (vjpkit's
+fallback warnings name the layers that left the fast paths): in the JSON and the printed table.
 
 Usage: ``python benchmarks/real_models_bench.py [--quick] [--rounds 7] [--models gpt2,vit,resnet]
 [--out benchmarks/real_models_results.json]``. ``run.py`` runs it too (``--no-real-models``
@@ -75,7 +76,8 @@ PEX = "vk.inspect.per_example_grad_norms"
 PEX_NO_CHECK = "vk.inspect.per_example_grad_norms, check=False"
 VMAP = "vmap(grad) + norms"
 CAPTURE = "vk.value_and_grad capture every layer's norms"
-ROWS = (VAG, PEX, PEX_NO_CHECK, VMAP, CAPTURE)
+IDLE_CALLBACK = "value_and_grad + a host callback never called"
+ROWS = (VAG, PEX, PEX_NO_CHECK, VMAP, CAPTURE, IDLE_CALLBACK)
 TARGET_PEX_TIME, TARGET_PEX_TEMP, TARGET_CAPTURE_TIME = 1.3, 1.5, 1.10
 MODELS = ("gpt2", "vit", "resnet")
 WARMUP = 2
@@ -296,7 +298,20 @@ def row_fns(loss):
         PEX_NO_CHECK: jax.jit(vk.inspect.per_example_grad_norms(loss, check=False)),
         VMAP: jax.jit(vmap_grad_norms(loss)),
         CAPTURE: jax.jit(vk.value_and_grad(loss, capture=norms)),
+        IDLE_CALLBACK: jax.jit(idle_callback(jax.value_and_grad(loss))),
     }
+
+
+def idle_callback(fn):
+    """``fn`` with a ``jax.debug.callback`` in a ``lax.cond`` branch never taken, as
+    ``check=True`` warns: what a host callback's presence alone costs a step (no target)."""
+
+    def wrapped(*args):
+        value, grads = fn(*args)
+        lax.cond(jnp.isnan(value), lambda v: jax.debug.callback(lambda v: None, v), lambda v: None, value)
+        return value, grads
+
+    return wrapped
 
 
 def _warning(w, phase):
@@ -327,7 +342,7 @@ def bench_model(key, rounds, rng, quick):
     args = (params, *batch)
     block = 1 if quick else BLOCK[key]
     fns = row_fns(loss)
-    compiled, memory, compile_s, first_s, outs = {}, {}, {}, {}, {}
+    compiled, memory, compile_s, first_s, outs, fusions = {}, {}, {}, {}, {}, {}
     caught = {}
     order = list(ROWS)
     rng.shuffle(order)
@@ -343,6 +358,7 @@ def bench_model(key, rounds, rng, quick):
             jax.effects_barrier()
         caught[v] = [_warning(w, "trace, compile and first call") for w in ws]
         memory[v] = peers.xla_memory(compiled[v])
+        fusions[v] = compiled[v].as_text().count(" fusion(")
     ref = outs[VMAP]
     agreement = {
         PEX: _rel_diff(outs[PEX][2].total, ref),
@@ -405,6 +421,7 @@ def bench_model(key, rounds, rng, quick):
                 "temp_ratio": temp_ratio[v],
                 "memory": memory[v],
                 "compile_s": compile_s[v],
+                "xla_fusions": fusions[v],
                 "first_call_s": first_s[v],
                 "warnings": caught[v],
                 "call_s_per_round": times[v],
@@ -493,13 +510,13 @@ def markdown(res: dict) -> str:
         lines += [f"\n**{r['title']}** ({r['parameters']:,} parameters; {r['rounds']} rounds of {r['block']} "
                   "call(s))\n",
                   "| variant | median call (ms) | time / value_and_grad | XLA temp (MB) "
-                  "| temp / value_and_grad | warnings |",
-                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "| temp / value_and_grad | XLA fusions | warnings |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for row in r["rows"]:
             tr = "—" if row["temp_ratio"] is None else f"{row['temp_ratio']:.2f}"
             lines.append(
                 f"| {row['variant']} | {row['median_ms']:.1f} | {row['time_ratio']:.2f} | "
-                f"{row['temp_mb']:.1f} | {tr} | {len(row['warnings'])} |"
+                f"{row['temp_mb']:.1f} | {tr} | {row['xla_fusions']} | {len(row['warnings'])} |"
             )
         agree = r["norms_max_rel_diff_vs_vmap_grad"]
         lines.append(

@@ -257,6 +257,7 @@ REAL_ROWS = [
     "vk.inspect.per_example_grad_norms, check=False",
     "vmap(grad) + norms",
     "vk.value_and_grad capture every layer's norms",
+    "value_and_grad + a host callback never called",
 ]
 
 
@@ -278,6 +279,7 @@ def test_real_models_bench_quick(tmp_path):
         assert [row["variant"] for row in r["rows"]] == REAL_ROWS, r["model"]
         for row in r["rows"]:
             assert row["median_ms"] > 0 and row["temp_mb"] > 0 and row["time_ratio"] > 0, row["variant"]
+            assert row["xla_fusions"] > 0, row["variant"]
             assert len(row["call_s_per_round"]) == data["rounds"]
             assert all({"category", "message", "source", "phase"} <= set(w) for w in row["warnings"])
         assert r["rows"][0]["time_ratio"] == r["rows"][0]["temp_ratio"] == 1.0
