@@ -217,6 +217,28 @@ def test_rows_against_numpy():
         assert not bool(stats.check(rows, jnp.asarray(want.sum(0) + 1e-3), 1e-9))
 
 
+@pytest.mark.parametrize("index", ["wrap", "clip", "computed"])
+def test_lookup_index_is_the_row_numpy_reads(index):
+    """``stats.lookup_index``: the table row each position reads, as the lookup program builds
+    it (negative ids wrapped; ids computed in the program), against numpy's indexing. Ids past
+    the table are left as given (``mode="clip"``: the gather clips them, the caller applies
+    the mode)."""
+    rng = np.random.default_rng(1)
+    table = jnp.asarray(rng.standard_normal((V, D)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-V, 2 * V if index == "clip" else V, (B, T)), jnp.int32)
+    fn = {
+        "wrap": lambda t, i: t[i],
+        "clip": lambda t, i: t.at[i].get(mode="clip"),
+        "computed": lambda t, i: t[jnp.abs(i)],
+    }[index]
+    rows = np.asarray(stats.lookup_index(jax.make_jaxpr(fn)(table, ids))(table, ids))
+    assert rows.shape == ids.shape
+    if index == "clip":
+        assert rows.max() >= V  # left as given
+        rows = np.clip(rows, 0, V - 1)
+    np.testing.assert_array_equal(np.asarray(table)[rows], np.asarray(fn(table, ids)))
+
+
 def test_inspect_and_curvature_agree():
     """``vk.curvature``'s ``batch_l2`` and ``sum_grad_squared`` (BackPACK's: of ``grad l_n / N``)
     and ``vk.inspect``'s per-example norms and ``gradient_stats`` (of ``grad l_n``) come from the

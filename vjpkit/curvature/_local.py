@@ -118,14 +118,11 @@ def _lookup(site: Any, closed: Any, flat: Callable) -> Callable | None:
     if len(gathers) != 1 or jaxpr.outvars[0] is not gathers[0].outvars[0]:
         return None  # the output is not the gather's own (a scale or a cast after it)
     (path,) = kind.roles
-    program = _compat.open_jaxpr(
-        jaxpr.constvars, jaxpr.invars, [gathers[0].invars[1]], jaxpr.eqns, jaxpr.effects, jaxpr.debug_info
-    )
-    index_of = jcore.jaxpr_as_fun(_compat.closed_jaxpr(program, closed.consts))
+    index_of = stats.lookup_index(closed)
 
     def linearize(params, x, axis=0):
         table = _leaf(params, path)
-        index = jnp.moveaxis(index_of(*flat(params, x))[0][..., 0], axis, 0)
+        index = jnp.moveaxis(index_of(*flat(params, x)), axis, 0)
         if kind.padding == "clip":
             index, weight = jnp.clip(index, 0, table.shape[0] - 1), None
         else:  # out-of-range rows get no gradient

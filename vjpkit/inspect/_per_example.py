@@ -132,7 +132,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from .. import _compat, _engine, _format, stats
+from .. import _engine, _format, stats
 from .._autodiff import value_and_grad as _vk_value_and_grad
 from .._capture import CaptureSpec, RecordFn
 from .._capture import capture as _capture
@@ -817,21 +817,12 @@ def _scale_smaller(x: jax.Array, d: jax.Array, scaled) -> tuple[jax.Array, jax.A
 
 
 def _lookup_index(call: _Call, param_leaves: list, ids: jax.Array, axis: int) -> jax.Array:
-    """The row of the table each position of ``ids`` (the call's input, examples first) reads:
-    the gather's index operand as the call's own computation builds it (jnp wraps negative ids),
-    one example at a time as traced over a batch of one (its example axis ``axis``)."""
-    jaxpr = call.jaxpr.jaxpr
-    gather = next(e for e in jaxpr.eqns if e.primitive.name == "gather")
-    program = _compat.open_jaxpr(
-        jaxpr.constvars, jaxpr.invars, [gather.invars[1]], jaxpr.eqns, jaxpr.effects, jaxpr.debug_info
-    )
-    fn = jcore.jaxpr_as_fun(_compat.closed_jaxpr(program, getattr(call.jaxpr, "consts", [])))
+    """The row of the table each position of ``ids`` (the call's input, examples first) reads,
+    one example at a time as the call's program was traced: over a batch of one (its example
+    axis ``axis``)."""
+    index = stats.lookup_index(call.jaxpr)
     params = [param_leaves[i] for i in call.order]
-
-    def one(x):
-        return fn(*params, jnp.expand_dims(x, axis))[0][..., 0]
-
-    return jax.vmap(one)(ids)
+    return jax.vmap(lambda x: index(*params, jnp.expand_dims(x, axis)))(ids)
 
 
 def _local_per_example(call: _Call, param_leaves: list, view: _View) -> dict[str, jax.Array]:

@@ -1,5 +1,6 @@
 """Per-layer statistics below ``vk.inspect`` and ``vk.curvature``: a layer call's per-example
-parameter gradient in matrix form (``Rows``), and what both read from it.
+parameter gradient in matrix form (``Rows``), what both read from it, and the rows an embedding
+lookup reads (``lookup_index``).
 
 Examples:
     >>> from vjpkit import stats
@@ -8,6 +9,7 @@ Examples:
     (8,)
 """
 
+from ._lookup import lookup_index as lookup_index
 from ._patches import patches as patches
 from ._rows import Conv as Conv
 from ._rows import OneHot as OneHot
@@ -24,6 +26,7 @@ __all__ = [
     "OneHot",
     "Rows",
     "check",
+    "lookup_index",
     "materialize",
     "patches",
     "reduced",
