@@ -135,6 +135,6 @@ def test_curvature_and_capture_of_the_same_layer_is_an_error_not_a_lost_record()
     _, alone = vk.value_and_grad(loss, capture=vk.capture("embed"))(params, x, y)
     _, stats = vk.value_and_grad(loss, capture=spec)(params, x, y)
     assert set(captured) == {*alone, *stats}
-    for field in ("params", "grad_params", "grad_output", "output"):
+    for field in ("params", "input", "grad_params", "grad_output", "output"):  # input: the ids
         tree_allclose(getattr(captured["embed"], field), getattr(alone["embed"], field), rtol=1e-5, atol=1e-6)
     tree_allclose(captured["blocks/fc"], stats["blocks/fc"], rtol=1e-5, atol=1e-6)

@@ -147,10 +147,11 @@ def trace(
         paths = iter(_leaf_paths([args[i] for i in kept], kept))
         names = [next(paths) if i in kept else None for i in nums for _ in jax.tree.leaves(args[i])]
         matched, other = _match.rewrite(closed, names)
-        if eager and any(u.primitive == "output" and not u.where for u in other):
+        if eager and (any(u.primitive == "output" and not u.where for u in other) or _folded_ids(matched)):
             # the loss returned a parameter computation: the eager trace took the batch for a
-            # constant (x * a**2 is then a parameter computation, and no layer reads it). Traced
-            # with the data as inputs, as under jax.jit, so both find the same layers
+            # constant (x * a**2 is then a parameter computation, and no layer reads it); or a
+            # lookup reads ids folded into a constant (jnp's index array, not the ids). Traced
+            # with the data as inputs, as under jax.jit, so both find the same layers and records
             again = _data_as_inputs(flat, leaves, args, kwargs, nums, names)
             if again is not None:
                 matched, other, shape = again
@@ -161,6 +162,20 @@ def trace(
     if check:
         config.check_matched(plan.names)
     return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)), other)
+
+
+def _folded_ids(closed: Any) -> bool:
+    """Whether a matched lookup of the program reads a constant index array: called eagerly,
+    jnp's indexing of the batch ran at trace time (``ids[..., None]``, negative ids wrapped), so
+    the lookup's ``input`` would be that array instead of the ids it reads under ``jax.jit``."""
+    consts = set(closed.jaxpr.constvars)
+    return any(
+        e.primitive is _match.match_p
+        and getattr(e.params["kind"].value, "kind", None) == "lookup"
+        and not _match._is_lit(e.invars[-1])
+        and e.invars[-1] in consts
+        for e in closed.jaxpr.eqns
+    )
 
 
 def _data_as_inputs(flat: Callable, leaves: list, args: Sequence, kwargs: dict, nums: Sequence[int],
