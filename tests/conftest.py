@@ -20,6 +20,9 @@
   sees a whole entry or none.
   ``VJPKIT_TEST_XLA_CACHE`` names a directory to use (and keep) instead: CI shares one cache
   between the two runs of a stage. Otherwise nothing carries over between sessions.
+* **Memory mappings.** After each test file, JAX's caches are cleared once the worker holds a
+  third of the kernel's limit on memory mappings (``_release_executables``): the executables
+  they keep alive hold mapped code, and the full tier on jax 0.10.1 ran a worker into the limit.
 * **Fast code generation.** The default tier sets ``--xla_backend_optimization_level=0`` in
   ``XLA_FLAGS`` (``_fast_codegen``; read when JAX starts its CPU backend, at the first
   computation, after ``pytest_configure``): its run is mostly XLA compiling, and LLVM's
@@ -35,6 +38,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import importlib
 import importlib.util
 import os
@@ -236,6 +240,39 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield from _timed(item)
+    if nextitem is None or nextitem.path != item.path:
+        _release_executables()
+
+
+def _count_lines(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+def _map_limit() -> int | None:
+    try:
+        return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+_MAP_LIMIT = _map_limit()
+
+
+def _release_executables() -> None:
+    """After a test file, JAX's caches are cleared when this process holds more than a third of
+    the kernel's limit on memory mappings (``vm.max_map_count``, 65530 by default): each XLA:CPU
+    executable a cache keeps alive holds mapped code, and a worker of the full tier on jax 0.10.1
+    passed 57,000 mappings by 80% of the run. At the limit an ``mmap`` fails inside XLA, and a
+    worker died of it in two CI runs (an abort in ``compilation_cache.put_executable_and_time``,
+    a segfault in ``get_executable_and_time``), after which xdist hung."""
+    count = None if _MAP_LIMIT is None else _count_lines("/proc/self/maps")
+    if count is not None and count > _MAP_LIMIT // 3:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_runtest_logreport(report):
