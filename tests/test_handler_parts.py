@@ -138,3 +138,22 @@ def test_curvature_and_capture_of_the_same_layer_is_an_error_not_a_lost_record()
     for field in ("params", "input", "grad_params", "grad_output", "output"):  # input: the ids
         tree_allclose(getattr(captured["embed"], field), getattr(alone["embed"], field), rtol=1e-5, atol=1e-6)
     tree_allclose(captured["blocks/fc"], stats["blocks/fc"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_lookup_closed_over_by_a_scan_records_its_ids(maybe_jit):
+    """A lookup inside a scan body, of ids the body closes over, beside curvature statistics:
+    its record's ``input`` is the ids at every iteration, eagerly as under ``jax.jit`` (eagerly,
+    jnp's index array was built at trace time and recorded instead, with a trailing axis)."""
+    v, d, b, t, n = 11, 4, 3, 5, 2
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"embed": jax.random.normal(k[0], (v, d)), "w": jax.random.normal(k[1], (n, d, d))}
+    tok, y = jax.random.randint(k[2], (b, t), -v, v), jax.random.randint(k[3], (b, t), 0, v)
+
+    def loss(p, tok, y):
+        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w + p["embed"][tok]), None), jnp.zeros((b, t, d)), p["w"])
+        return vk.curvature.softmax_cross_entropy((h @ p["embed"].T).reshape(-1, v), y.reshape(-1))
+
+    spec = [vk.curvature.stats("w", ["kflr"]), vk.capture("embed", fields=["input", "output"])]
+    _, captured = maybe_jit(vk.value_and_grad(loss, capture=spec))(params, tok, y)
+    np.testing.assert_array_equal(captured["embed"].input, jnp.broadcast_to(tok, (n, b, t)))
+    tree_allclose(captured["embed"].output, jnp.broadcast_to(params["embed"][tok], (n, b, t, d)))

@@ -41,6 +41,7 @@ from .._hook_base import HookState
 from .._trees import is_traced, vary, varying_axes
 from . import _carry, _fori, _handlers, _match, _slots
 from ._plan import Plan, Site
+from ._rules import sub_programs
 from ._run import Runner
 
 
@@ -147,7 +148,9 @@ def trace(
         paths = iter(_leaf_paths([args[i] for i in kept], kept))
         names = [next(paths) if i in kept else None for i in nums for _ in jax.tree.leaves(args[i])]
         matched, other = _match.rewrite(closed, names)
-        if eager and (any(u.primitive == "output" and not u.where for u in other) or _folded_ids(matched)):
+        if eager and (
+            any(u.primitive == "output" and not u.where for u in other) or _folded_ids(matched.jaxpr)
+        ):
             # the loss returned a parameter computation: the eager trace took the batch for a
             # constant (x * a**2 is then a parameter computation, and no layer reads it); or a
             # lookup reads ids folded into a constant (jnp's index array, not the ids). Traced
@@ -164,18 +167,20 @@ def trace(
     return Traced(closed, plan, out_tree, n_out, leaves, tree, _varying_axes((args, kwargs)), other)
 
 
-def _folded_ids(closed: Any) -> bool:
-    """Whether a matched lookup of the program reads a constant index array: called eagerly,
-    jnp's indexing of the batch ran at trace time (``ids[..., None]``, negative ids wrapped), so
-    the lookup's ``input`` would be that array instead of the ids it reads under ``jax.jit``."""
-    consts = set(closed.jaxpr.constvars)
-    return any(
-        e.primitive is _match.match_p
-        and getattr(e.params["kind"].value, "kind", None) == "lookup"
-        and not _match._is_lit(e.invars[-1])
-        and e.invars[-1] in consts
-        for e in closed.jaxpr.eqns
-    )
+def _folded_ids(jaxpr: Any) -> bool:
+    """Whether a matched lookup, at any depth of the program, reads the gather's index array
+    itself (no jnp indexing step before it): called eagerly, jnp's indexing of the batch ran at
+    trace time (``ids[..., None]``, negative ids wrapped), so the lookup's ``input`` would be
+    that array instead of the ids it reads under ``jax.jit``."""
+    for e in jaxpr.eqns:
+        if e.primitive is _match.match_p and getattr(e.params["kind"].value, "kind", None) == "lookup":
+            inner = e.params["jaxpr"].jaxpr
+            gather = next((q for q in inner.eqns if q.primitive.name == "gather"), None)
+            if gather is not None and gather.invars[1] is inner.invars[-1]:
+                return True
+        if any(_folded_ids(j) for j in sub_programs(e.params)):
+            return True
+    return False
 
 
 def _data_as_inputs(flat: Callable, leaves: list, args: Sequence, kwargs: dict, nums: Sequence[int],
