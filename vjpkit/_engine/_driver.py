@@ -173,14 +173,17 @@ def _folded_ids(jaxpr: Any) -> bool:
     trace time (``ids[..., None]``, negative ids wrapped), so the lookup's ``input`` would be
     that array instead of the ids it reads under ``jax.jit``."""
     for e in jaxpr.eqns:
-        if e.primitive is _match.match_p and getattr(e.params["kind"].value, "kind", None) == "lookup":
-            inner = e.params["jaxpr"].jaxpr
-            gather = next((q for q in inner.eqns if q.primitive.name == "gather"), None)
-            if gather is not None and gather.invars[1] is inner.invars[-1]:
-                return True
-        if any(_folded_ids(j) for j in sub_programs(e.params)):
+        programs = sub_programs(e.params)  # a matched equation's own: the layer's program
+        lookup = e.primitive is _match.match_p and getattr(e.params["kind"].value, "kind", None) == "lookup"
+        if (lookup and any(_reads_index_array(j) for j in programs)) or any(map(_folded_ids, programs)):
             return True
     return False
+
+
+def _reads_index_array(layer: Any) -> bool:
+    """Whether a lookup's program takes its gather's index array as its input (its last)."""
+    gather = next((q for q in layer.eqns if q.primitive.name == "gather"), None)
+    return gather is not None and gather.invars[1] is layer.invars[-1]
 
 
 def _data_as_inputs(flat: Callable, leaves: list, args: Sequence, kwargs: dict, nums: Sequence[int],
