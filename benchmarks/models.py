@@ -42,28 +42,22 @@ def max_pool_reduce_window(x):
     return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
 
 
+def _mlp_layers():
+    """The raw MLPs as ``(name, fn(layer params or None, h))`` pairs, named as the vjpkit model's layers."""
+    relu = lambda _, h: jax.nn.relu(h)
+    return [("fc1", _dense), ("relu1", relu), ("fc2", _dense), ("relu2", relu), ("fc3", _dense)]
+
+
 def mlp_small():
     model = nn.serial(fc1=nn.dense(20), relu1=nn.relu(), fc2=nn.dense(30), relu2=nn.relu(), fc3=nn.dense(2))
-
-    def raw(p, x):
-        h = jax.nn.relu(_dense(p["fc1"], x))
-        h = jax.nn.relu(_dense(p["fc2"], h))
-        return _dense(p["fc3"], h)
-
-    return "MLP 3-20-30-2, batch 9000", model, raw, (9000, 3), 2
+    return "MLP 3-20-30-2, batch 9000", model, sequential(_mlp_layers()), (9000, 3), 2
 
 
 def mlp_mnist():
     model = nn.serial(
         fc1=nn.dense(512), relu1=nn.relu(), fc2=nn.dense(512), relu2=nn.relu(), fc3=nn.dense(10)
     )
-
-    def raw(p, x):
-        h = jax.nn.relu(_dense(p["fc1"], x))
-        h = jax.nn.relu(_dense(p["fc2"], h))
-        return _dense(p["fc3"], h)
-
-    return "MLP 784-512-512-10, batch 128", model, raw, (128, 784), 10
+    return "MLP 784-512-512-10, batch 128", model, sequential(_mlp_layers()), (128, 784), 10
 
 
 def cnn():
@@ -81,13 +75,79 @@ def cnn():
     return "CNN 1-16-32 (3x3, pool), 28x28, batch 64", model, _cnn_raw(max_pool_reshape), (64, 28, 28, 1), 10
 
 
-def _cnn_raw(pool):
-    def raw(p, x):
-        h = pool(jax.nn.relu(_conv(p["conv1"], x)))
-        h = pool(jax.nn.relu(_conv(p["conv2"], h)))
-        return _dense(p["fc"], h.reshape(h.shape[0], -1))
+def _cnn_layers(pool):
+    """The raw CNN as ``(name, fn(layer params or None, h))`` pairs, named as the vjpkit model's layers."""
+    relu, pooled = (lambda _, h: jax.nn.relu(h)), (lambda _, h: pool(h))
+    flat = lambda _, h: h.reshape(h.shape[0], -1)
+    return [
+        ("conv1", _conv), ("relu1", relu), ("pool1", pooled), ("conv2", _conv), ("relu2", relu),
+        ("pool2", pooled), ("flat", flat), ("fc", _dense),
+    ]  # fmt: skip
 
+
+def _cnn_raw(pool):
+    return sequential(_cnn_layers(pool))
+
+
+def sequential(layers):
+    """The raw apply of ``layers`` (``(name, fn)`` pairs) called in order: ``fn(params.get(name), h)``."""
+
+    def raw(params, x):
+        for name, fn in layers:
+            x = fn(params.get(name), x)
+        return x
+
+    raw.layers = layers
     return raw
+
+
+def probed_norms_loss(raw):
+    """The raw model's loss with the norms that ``vk.capture("*", reduce="norm")`` records, by hand.
+
+    ``loss(params, x, y) -> (loss, (grads, norms))``: a zero probe is added to each layer's input
+    (after the first layer, whose input is the data) and to its output, and the loss is
+    differentiated with respect to the parameters and the probes at once. A probe's gradient is
+    that layer's ``grad_output`` (output probe) or ``grad_input`` (input probe); ``grad_params``
+    are the parameter gradients (each layer's parameters are used once). ``norms`` is keyed like
+    the captured records: ``{layer: {"grad_output", "grad_input", "grad_params": {leaf: norm}}}``.
+    It is what a user writes without vjpkit, and the floor of what the same norms cost in XLA.
+    """
+    layers = raw.layers
+
+    def forward(params, probes, x):
+        for i, (name, fn) in enumerate(layers):
+            if i:
+                x = x + probes[name]["in"]
+            x = fn(params.get(name), x) + probes[name]["out"]
+        return x
+
+    def objective(params, probes, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(forward(params, probes, x), y).mean()
+
+    def probe_shapes(params, x):
+        shapes, h = {}, x
+        for i, (name, fn) in enumerate(layers):
+            out = jax.eval_shape(fn, params.get(name), h)
+            shapes[name] = {"in": h, "out": out} if i else {"out": out}
+            h = out
+        return shapes
+
+    def norm(g):
+        return jnp.sqrt(jnp.sum(g * g))
+
+    def loss(params, x, y):
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), probe_shapes(params, x))
+        value, (grads, cts) = jax.value_and_grad(objective, argnums=(0, 1))(params, zeros, x, y)
+        norms = {}
+        for name, _ in layers:
+            rec = {"grad_output": norm(cts[name]["out"])}
+            if "in" in cts[name]:
+                rec["grad_input"] = norm(cts[name]["in"])
+            rec["grad_params"] = jax.tree.map(norm, grads.get(name, {}))
+            norms[name] = rec
+        return value, (grads, norms)
+
+    return loss
 
 
 MODELS = {"mlp_small": mlp_small, "mlp_mnist": mlp_mnist, "cnn": cnn}

@@ -56,7 +56,7 @@ import peers
 import plain_bench
 import quickstart_bench
 import real_models_bench
-from models import EXTRA_RAW, MODELS, data, loss_of
+from models import EXTRA_RAW, MODELS, data, loss_of, probed_norms_loss
 from peers import cpu_times, other_cpu_share
 
 import vjpkit as vk
@@ -66,6 +66,9 @@ RAW = "raw JAX"
 NO_HOOKS, CAPTURE = "vjpkit, no hooks", "vjpkit, capture norms"
 HOST, HOOK = "vjpkit, capture + host every step", "vjpkit, traced modifying hook on every layer"
 VJPKIT_ROWS = (NO_HOOKS, CAPTURE, HOST, HOOK)
+# The capture row's norms written in raw JAX (zero probes, models.probed_norms_loss): what the
+# same numbers cost without vjpkit, the floor of the capture row's first call and step.
+BY_HAND = "raw JAX, the same norms by hand (zero probes)"
 TORCH_HOOKS = peers.TORCH_ROWS[1]
 WARMUP = 3
 
@@ -105,6 +108,7 @@ def jax_variants(key, model, raw_apply, x, y):
     steps = {RAW: sgd(jax.value_and_grad(loss_of(raw_apply)), False)}
     for name, extra_raw in EXTRA_RAW.get(key, {}).items():
         steps[name] = sgd(jax.value_and_grad(loss_of(extra_raw)), False)
+    steps[BY_HAND] = sgd(_as_value_and_grad(probed_norms_loss(raw_apply)), True)
     steps[NO_HOOKS] = sgd(vk.value_and_grad(vk_loss), False)
     steps[CAPTURE] = sgd(vk.value_and_grad(vk_loss, capture=norms), True)
     steps[HOST] = sgd(vk.value_and_grad(vk_loss, capture=host), True)
@@ -116,6 +120,16 @@ def jax_variants(key, model, raw_apply, x, y):
         variants[name].lower = lambda step=step: step.lower(carry, x, y)
         variants[name].trace = lambda step=step: step.trace(carry, x, y)
     return variants, params
+
+
+def _as_value_and_grad(loss):
+    """``loss(p, x, y) -> (value, (grads, norms))`` as ``vk.value_and_grad``'s ``((value, grads), norms)``."""
+
+    def value_and_grad(p, x, y):
+        value, (grads, norms) = loss(p, x, y)
+        return (value, grads), norms
+
+    return value_and_grad
 
 
 def jax_peer_variants(key, params, x, y, selected):
@@ -215,6 +229,11 @@ def bench_model(key, rounds, block, selected, torch_client, tmpdir, compile_repe
     compile_ratios = {r["variant"]: r["compile_ratio"] for r in rows if r["status"] == "ok"}
     result["targets"] = targets(times, compile_ratios)
     result["first_call_split_info"] = split_info(rows)
+    result["by_hand"] = {
+        "first_call_ratio_to_raw": compile_ratios[BY_HAND],
+        "capture_first_call_over_by_hand": ratio(firsts, CAPTURE, BY_HAND),
+        "capture_step_over_by_hand": ratio(times, CAPTURE, BY_HAND) if times is not None else None,
+    }
     result["max_first_loss_diff"] = max(abs(loss0[n] - loss0[RAW]) for n in loss0)
     return result
 
@@ -376,6 +395,13 @@ def markdown(results, pex=None):
                 f"{raw['trace_s']:.3f} s ({1e3 * i['trace_over_raw_s']:+.0f} ms); lower "
                 f"{i['lower_ratio']:.2f}x, XLA compile {i['xla_compile_ratio']:.2f}x raw JAX's"
             )
+        h = res["by_hand"]
+        lines.append(
+            f"- the same norms by hand in raw JAX (informational, no target): first call "
+            f"{h['first_call_ratio_to_raw']:.2f}x raw JAX's; {CAPTURE} / by hand: first call "
+            f"{h['capture_first_call_over_by_hand']:.2f}x, "
+            f"step {_fmt(h['capture_step_over_by_hand'], '.3f')}x"
+        )
         lines.append(f"- first-step losses: all within {res['max_first_loss_diff']:.1e} of raw JAX's")
     if pex:
         lines.append(f"\n**{pex['title']}**\n")
@@ -445,6 +471,19 @@ def step_table(results, meta):
         for t, lhs, against, limit in other_targets:  # a peer skipped: its targets too
             value = "skipped" if t["value"] is None else _checked(t["value"], ".2f", t["met"])
             put(target_rows, f"{lhs} / {against} ({limit})", title, value)
+        h = res["by_hand"]
+        put(
+            target_rows,
+            f"first call: {BY_HAND} / raw JAX (no target)",
+            title,
+            _fmt(h["first_call_ratio_to_raw"], ".2f"),
+        )
+        put(
+            target_rows,
+            f"first call: {CAPTURE} / {BY_HAND}",
+            title,
+            _fmt(h["capture_first_call_over_by_hand"], ".2f"),
+        )
     titles = [res["title"] for res in results]
     lines = [
         f"Measured {run_line(meta)}.",

@@ -12,8 +12,10 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+BY_HAND = "raw JAX, the same norms by hand (zero probes)"
 JAX_ROWS = [
     "raw JAX",
+    BY_HAND,
     "vjpkit, no hooks",
     "vjpkit, capture norms",
     "vjpkit, capture + host every step",
@@ -76,13 +78,16 @@ def check_first_call_split(result, stdout, repeats=1):
     for name in set(rows) - set(JAX_ROWS):  # the peers are not staged
         assert rows[name].get("first_call_split") is None
     info = result["first_call_split_info"]
-    assert [i["variant"] for i in info] == JAX_ROWS[1:]
+    assert [i["variant"] for i in info] == JAX_ROWS[2:]
     assert all(i["trace_s"] > 0 and i["trace_ratio"] > 0 for i in info)
     first_call = [t for t in result["targets"] if t["target"].startswith("first call: ")]
     assert len(first_call) == 4 and all(t["met"] in (True, False) for t in first_call)
     assert "trace + lower + XLA compile (s)" in stdout
     assert stdout.count("first call in stages, vjpkit") == 4
     assert stdout.count("/ raw JAX <= 1.3: ") == 4
+    by_hand = result["by_hand"]
+    assert by_hand["first_call_ratio_to_raw"] > 0 and by_hand["capture_first_call_over_by_hand"] > 0
+    assert "the same norms by hand in raw JAX" in stdout
 
 
 @pytest.mark.slow
@@ -371,3 +376,43 @@ def test_curvature_race_runs_and_writes_its_table(tmp_path):
         assert r["rows"]["K-FAC"]["refresh_step_ms"] > 0 and r["rows"]["EKFAC"]["refresh_step_ms"] > 0
     assert "lax.scan" in res["results"][-1]["rows"]["kfac-jax"]["note"]
     assert "| mlp |" in proc.stdout
+
+
+@pytest.mark.parametrize("key", ["mlp_small", "mlp_mnist", "cnn"])
+def test_the_norms_by_hand_are_the_captured_norms(key):
+    """run.py's by-hand row (zero probes in raw JAX) computes what ``vk.capture`` records, and the
+    raw model's loss and gradients: the floor it stands for is of the same numbers."""
+    import jax
+
+    import vjpkit as vk
+
+    from .helpers import tree_allclose
+
+    path_before = list(sys.path)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import models
+    finally:
+        sys.path[:] = path_before
+    _, model, raw, shape, classes = models.MODELS[key]()
+    x, y = models.data(shape, classes)
+    x, y = x[:16], y[:16]
+    params = model.init(jax.random.key(0), x)
+    fields = ["grad_output", "grad_input", "grad_params"]
+    capture = vk.capture("*", fields=fields, reduce="norm")
+    (loss, grads), captured = jax.jit(vk.value_and_grad(models.loss_of(model.apply), capture=capture))(
+        params, x, y
+    )
+    value, (by_grads, norms) = jax.jit(models.probed_norms_loss(raw))(params, x, y)
+    want_loss, want_grads = jax.value_and_grad(models.loss_of(raw))(params, x, y)
+    tree_allclose((value, by_grads), (want_loss, want_grads))
+    tree_allclose((loss, grads), (want_loss, want_grads))
+    assert sorted(norms) == sorted(captured)
+    for name, rec in norms.items():
+        got = captured[name]
+        for field in fields:
+            want = getattr(got, field)
+            if field not in rec:  # the first layer's input is the data: no grad_input
+                assert want is None, (name, field)
+                continue
+            tree_allclose(rec[field], want, rtol=1e-5)

@@ -83,6 +83,24 @@ def test_reductions_match_numpy(maybe_jit):
                     )
 
 
+@pytest.mark.parametrize("shape", [(7,), (33,), (37,), (20, 30), (64, 10), (1021,), (1056,), (4096,)])
+def test_norm_in_blocks_is_the_norm_and_one_reduction(maybe_jit, shape):
+    """``reduce="norm"`` sums a leaf shorter than 4096 in blocks (``_capture._blocks``: exact axes
+    of at most 32, or zero-padded when the length has a prime factor above 32): the value is
+    the norm, its gradient is the norm's, and XLA compiles the sum without a tree of
+    ``reduce-window``s."""
+    from vjpkit._capture import REDUCTIONS
+
+    norm = REDUCTIONS["norm"]
+    a = jax.random.normal(jax.random.key(sum(shape)), shape)
+    want = np.sqrt(np.sum(np.square(np.asarray(a, np.float64))))
+    np.testing.assert_allclose(maybe_jit(norm)(a), want, rtol=2e-6)
+    tree_allclose(maybe_jit(jax.grad(norm))(a), a / jnp.linalg.norm(a), rtol=1e-5)
+    if a.size < 4096:
+        hlo = jax.jit(lambda a: norm(a * 2.0)).lower(a).compile().as_text()
+        assert "reduce-window" not in hlo
+
+
 def test_reductions_of_a_conv_net_match_numpy(maybe_jit):
     """Every reduction of every field of a conv / ReLU / max-pool / flatten / dense net equals
     numpy's on the hand-chained ``jax.vjp`` cotangents. The reductions read each leaf flattened;

@@ -47,12 +47,45 @@ def _flat32(x):
     return _stored(x).astype(jnp.float32).ravel()
 
 
+# A flat vector shorter than this is reduced in blocks of at most 32 (``_blocks``).
+_BLOCKED_BELOW = 4096
+
+
+def _block_dims(n: int) -> tuple[int, ...] | None:
+    """Three axes of at most 32 whose product is ``n``, or None (a prime factor above 32)."""
+    for c in range(32, 0, -1):
+        for b in range(32, 0, -1):
+            if n % (b * c) == 0 and n // (b * c) <= 32:
+                return (n // (b * c), b, c)
+    return None
+
+
+def _blocks(flat):
+    """A flat float32 vector as blocks whose sum XLA computes in one kernel.
+
+    XLA:CPU rewrites the sum of a vector longer than 32 into a tree of ``reduce-window``s (three
+    to five kernels instead of one; jax >= 0.11 only below 4096 elements). Each kernel costs
+    about 3 ms of compile time, and a capture reduces small leaves by the dozen (biases,
+    weights, a head's logits). Reshaped to axes of at most 32 (zero-padded when the length has
+    a prime factor above 32) and read through an optimization barrier, so that XLA cannot fold
+    them back into the vector, the sum is one kernel of the same values.
+    """
+    n = flat.shape[0]
+    if n <= 32 or n >= _BLOCKED_BELOW:
+        return flat
+    dims = _block_dims(n)
+    if dims is None:
+        padded = -(-n // 32) * 32 if n <= 1024 else -(-n // 1024) * 1024
+        flat, dims = jnp.pad(flat, (0, padded - n)), _block_dims(padded)
+    return lax.optimization_barrier(flat.reshape(dims))
+
+
 def _norm(x: jax.Array) -> jax.Array:
     # |x| only for complex leaves: for real ones x * x is already |x|^2, bit for bit, and an
     # abs in front of the square kept XLA:CPU from sharing the producer (measured, CNN).
     if jnp.iscomplexobj(x):
         x = jnp.abs(x)
-    return jnp.sqrt(jnp.sum(jnp.square(_flat32(x))))
+    return jnp.sqrt(jnp.sum(jnp.square(_blocks(_flat32(x)))))
 
 
 REDUCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
