@@ -63,12 +63,12 @@ def _block_dims(n: int) -> tuple[int, ...] | None:
 def _blocks(flat):
     """A flat float32 vector as blocks whose sum XLA computes in one kernel.
 
-    XLA:CPU rewrites the sum of a vector longer than 32 into a tree of ``reduce-window``s (three
-    to five kernels instead of one; jax >= 0.11 only below 4096 elements). Each kernel costs
-    about 3 ms of compile time, and a capture reduces small leaves by the dozen (biases,
-    weights, a head's logits). Reshaped to axes of at most 32 (zero-padded when the length has
-    a prime factor above 32) and read through an optimization barrier, so that XLA cannot fold
-    them back into the vector, the sum is one kernel of the same values.
+    XLA:CPU rewrites the sum of a vector longer than 32 into a tree of ``reduce-window``s
+    (three to five kernels instead of one; on jax 0.12 only below 4096 elements, on 0.10 at any
+    length). Each kernel costs about 3 ms of compile time, and a capture reduces small leaves by
+    the dozen (biases, weights, a head's logits). Reshaped to axes of at most 32 (zero-padded
+    when the length has a prime factor above 32) and read through an optimization barrier, so
+    that XLA cannot fold them back into the vector, the sum is one kernel of the same values.
     """
     n = flat.shape[0]
     if n <= 32 or n >= _BLOCKED_BELOW:
