@@ -85,10 +85,10 @@ def test_reductions_match_numpy(maybe_jit):
 
 @pytest.mark.parametrize("shape", [(7,), (33,), (37,), (20, 30), (64, 10), (1021,), (1056,), (4096,)])
 def test_norm_in_blocks_is_the_norm_and_one_reduction(maybe_jit, shape):
-    """``reduce="norm"`` sums a leaf shorter than 4096 in blocks (``_capture._blocks``: exact axes
-    of at most 32, or zero-padded when the length has a prime factor above 32): the value is
-    the norm, its gradient is the norm's, and XLA compiles the sum without a tree of
-    ``reduce-window``s."""
+    """``reduce="norm"`` (and ``mean``, ``nonfinite_count``) sums a leaf shorter than 4096 in
+    blocks (``_capture._blocks``: exact axes of at most 32, or zero-padded when the length has a
+    prime factor above 32): the values are numpy's, the norm's gradient is the norm's, and XLA
+    compiles the sum without a tree of ``reduce-window``s."""
     from vjpkit._capture import REDUCTIONS
 
     norm = REDUCTIONS["norm"]
@@ -96,9 +96,16 @@ def test_norm_in_blocks_is_the_norm_and_one_reduction(maybe_jit, shape):
     want = np.sqrt(np.sum(np.square(np.asarray(a, np.float64))))
     np.testing.assert_allclose(maybe_jit(norm)(a), want, rtol=2e-6)
     tree_allclose(maybe_jit(jax.grad(norm))(a), a / jnp.linalg.norm(a), rtol=1e-5)
+    np.testing.assert_allclose(
+        maybe_jit(REDUCTIONS["mean"])(a), np.mean(np.asarray(a, np.float64)), atol=1e-6
+    )
+    bad = a.ravel().at[::5].set(jnp.nan).at[1::7].set(-jnp.inf).reshape(shape)
+    count = maybe_jit(REDUCTIONS["nonfinite_count"])(bad)
+    assert count.dtype == jnp.float32 and float(count) == np.sum(~np.isfinite(np.asarray(bad)))
     if a.size < 4096:
-        hlo = jax.jit(lambda a: norm(a * 2.0)).lower(a).compile().as_text()
-        assert "reduce-window" not in hlo
+        for name in ("norm", "mean", "nonfinite_count"):
+            hlo = jax.jit(lambda a, name=name: REDUCTIONS[name](a * 2.0)).lower(a).compile().as_text()
+            assert "reduce-window" not in hlo, name
 
 
 def test_reductions_of_a_conv_net_match_numpy(maybe_jit):

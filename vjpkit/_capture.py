@@ -61,7 +61,7 @@ def _block_dims(n: int) -> tuple[int, ...] | None:
 
 
 def _blocks(flat):
-    """A flat float32 vector as blocks whose sum XLA computes in one kernel.
+    """A flat vector as blocks whose sum XLA computes in one kernel (``norm``, ``mean``, ``nonfinite_count``).
 
     XLA:CPU rewrites the sum of a vector longer than 32 into a tree of ``reduce-window``s
     (three to five kernels instead of one; on jax 0.12 only below 4096 elements, on 0.10 at any
@@ -90,11 +90,11 @@ def _norm(x: jax.Array) -> jax.Array:
 
 REDUCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "norm": _norm,
-    "mean": lambda x: jnp.mean(_flat32(x)),
+    "mean": lambda x: jnp.sum(_blocks(_flat32(x))) / x.size,
     "var": lambda x: jnp.var(_flat32(x)),
     "min": lambda x: jnp.min(_flat32(x)),
     "max": lambda x: jnp.max(_flat32(x)),
-    "nonfinite_count": lambda x: jnp.sum(~jnp.isfinite(_stored(x).ravel())).astype(jnp.float32),
+    "nonfinite_count": lambda x: jnp.sum(~jnp.isfinite(_blocks(_stored(x).ravel()))).astype(jnp.float32),
 }
 # every reduction name a captured record may be keyed by (the REDUCTIONS and "histogram")
 REDUCTION_NAMES = frozenset([*REDUCTIONS, "histogram"])
