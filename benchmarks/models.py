@@ -42,9 +42,14 @@ def max_pool_reduce_window(x):
     return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
 
 
+def _no_params(fn):
+    """``fn(h)`` as a layer of ``sequential``: ``(params, h) -> fn(h)``."""
+    return lambda _, h: fn(h)
+
+
 def _mlp_layers():
     """The raw MLPs as ``(name, fn(layer params or None, h))`` pairs, named as the vjpkit model's layers."""
-    relu = lambda _, h: jax.nn.relu(h)
+    relu = _no_params(jax.nn.relu)
     return [("fc1", _dense), ("relu1", relu), ("fc2", _dense), ("relu2", relu), ("fc3", _dense)]
 
 
@@ -77,8 +82,8 @@ def cnn():
 
 def _cnn_layers(pool):
     """The raw CNN as ``(name, fn(layer params or None, h))`` pairs, named as the vjpkit model's layers."""
-    relu, pooled = (lambda _, h: jax.nn.relu(h)), (lambda _, h: pool(h))
-    flat = lambda _, h: h.reshape(h.shape[0], -1)
+    relu, pooled = _no_params(jax.nn.relu), _no_params(pool)
+    flat = _no_params(lambda h: h.reshape(h.shape[0], -1))
     return [
         ("conv1", _conv), ("relu1", relu), ("pool1", pooled), ("conv2", _conv), ("relu2", relu),
         ("pool2", pooled), ("flat", flat), ("fc", _dense),
@@ -104,7 +109,8 @@ def sequential(layers):
 def probed_norms_loss(raw):
     """The raw model's loss with the norms that ``vk.capture("*", reduce="norm")`` records, by hand.
 
-    ``loss(params, x, y) -> (loss, (grads, norms))``: a zero probe is added to each layer's input
+    ``loss(params, x, y) -> ((loss, grads), norms)``, as ``vk.value_and_grad`` with capture
+    returns them: a zero probe is added to each layer's input
     (after the first layer, whose input is the data) and to its output, and the loss is
     differentiated with respect to the parameters and the probes at once. A probe's gradient is
     that layer's ``grad_output`` (output probe) or ``grad_input`` (input probe); ``grad_params``
@@ -145,7 +151,7 @@ def probed_norms_loss(raw):
                 rec["grad_input"] = norm(cts[name]["in"])
             rec["grad_params"] = jax.tree.map(norm, grads.get(name, {}))
             norms[name] = rec
-        return value, (grads, norms)
+        return (value, grads), norms
 
     return loss
 

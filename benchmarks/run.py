@@ -108,7 +108,7 @@ def jax_variants(key, model, raw_apply, x, y):
     steps = {RAW: sgd(jax.value_and_grad(loss_of(raw_apply)), False)}
     for name, extra_raw in EXTRA_RAW.get(key, {}).items():
         steps[name] = sgd(jax.value_and_grad(loss_of(extra_raw)), False)
-    steps[BY_HAND] = sgd(_as_value_and_grad(probed_norms_loss(raw_apply)), True)
+    steps[BY_HAND] = sgd(probed_norms_loss(raw_apply), True)
     steps[NO_HOOKS] = sgd(vk.value_and_grad(vk_loss), False)
     steps[CAPTURE] = sgd(vk.value_and_grad(vk_loss, capture=norms), True)
     steps[HOST] = sgd(vk.value_and_grad(vk_loss, capture=host), True)
@@ -120,16 +120,6 @@ def jax_variants(key, model, raw_apply, x, y):
         variants[name].lower = lambda step=step: step.lower(carry, x, y)
         variants[name].trace = lambda step=step: step.trace(carry, x, y)
     return variants, params
-
-
-def _as_value_and_grad(loss):
-    """``loss(p, x, y) -> (value, (grads, norms))`` as ``vk.value_and_grad``'s ``((value, grads), norms)``."""
-
-    def value_and_grad(p, x, y):
-        value, (grads, norms) = loss(p, x, y)
-        return (value, grads), norms
-
-    return value_and_grad
 
 
 def jax_peer_variants(key, params, x, y, selected):

@@ -403,7 +403,7 @@ def test_the_norms_by_hand_are_the_captured_norms(key):
     (loss, grads), captured = jax.jit(vk.value_and_grad(models.loss_of(model.apply), capture=capture))(
         params, x, y
     )
-    value, (by_grads, norms) = jax.jit(models.probed_norms_loss(raw))(params, x, y)
+    (value, by_grads), norms = jax.jit(models.probed_norms_loss(raw))(params, x, y)
     want_loss, want_grads = jax.value_and_grad(models.loss_of(raw))(params, x, y)
     tree_allclose((value, by_grads), (want_loss, want_grads))
     tree_allclose((loss, grads), (want_loss, want_grads))

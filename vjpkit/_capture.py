@@ -11,6 +11,7 @@ whole record at once to any pytree of arrays.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -51,6 +52,7 @@ def _flat32(x):
 _BLOCKED_BELOW = 4096
 
 
+@functools.cache  # n < 5120: a few thousand entries at most
 def _block_dims(n: int) -> tuple[int, ...] | None:
     """Three axes of at most 32 whose product is ``n``, or None (a prime factor above 32)."""
     for c in range(32, 0, -1):
