@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ._errors import ConfigError
@@ -45,7 +46,8 @@ def _flat32(x):
     the reshape is free whichever shape the producer wrote, and equal arrays seen through
     different shapes (a flatten layer's ``grad_input`` and ``grad_output``) reduce once.
     """
-    return _stored(x).astype(jnp.float32).ravel()
+    x = lax.reshape(_stored(x), (x.size,))  # lax, not jnp: a jnp function traces per shape
+    return x if x.dtype == jnp.float32 else lax.convert_element_type(x, jnp.float32)
 
 
 # A flat vector shorter than this is reduced in blocks of at most 32 (``_blocks``).
@@ -78,8 +80,12 @@ def _blocks(flat):
     dims = _block_dims(n)
     if dims is None:
         padded = -(-n // 32) * 32 if n <= 1024 else -(-n // 1024) * 1024
-        flat, dims = jnp.pad(flat, (0, padded - n)), _block_dims(padded)
-    return lax.optimization_barrier(flat.reshape(dims))
+        flat, dims = lax.pad(flat, np.zeros((), flat.dtype), [(0, padded - n, 0)]), _block_dims(padded)
+    return lax.optimization_barrier(lax.reshape(flat, dims))
+
+
+def _sum(x):
+    return lax.reduce_sum(x, tuple(range(x.ndim)))
 
 
 def _norm(x: jax.Array) -> jax.Array:
@@ -87,12 +93,13 @@ def _norm(x: jax.Array) -> jax.Array:
     # abs in front of the square kept XLA:CPU from sharing the producer (measured, CNN).
     if jnp.iscomplexobj(x):
         x = jnp.abs(x)
-    return jnp.sqrt(jnp.sum(jnp.square(_blocks(_flat32(x)))))
+    x = _blocks(_flat32(x))
+    return lax.sqrt(_sum(lax.mul(x, x)))
 
 
 REDUCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "norm": _norm,
-    "mean": lambda x: jnp.sum(_blocks(_flat32(x))) / x.size,
+    "mean": lambda x: lax.div(_sum(_blocks(_flat32(x))), np.float32(x.size)),
     "var": lambda x: jnp.var(_flat32(x)),
     "min": lambda x: jnp.min(_flat32(x)),
     "max": lambda x: jnp.max(_flat32(x)),
