@@ -6,10 +6,11 @@
   runs (``_full_only``): tests marked ``slow``; the files in ``FULL_ONLY_FILES`` (subprocess and
   multi-device scripts, the BackPACK and kfac-jax oracles, the examples, the docs pages and the
   benchmark smoke runs); and the eager twin (``eager`` in the test id: the ``maybe_jit``
-  fixture, or a test's own ``eager``/``jit`` parameter) of every test but the first that has one
-  in each file, so that each file's feature still runs eagerly once. ``--tier-complement`` runs
-  exactly what the default tier leaves out (CI: the default tier, then its complement, is the
-  full tier once).
+  fixture, or a test's own ``eager``/``jit`` parameter) of every test but one in each file, so
+  that each file's feature still runs eagerly once: the first that has one, or the test a file
+  names in ``DEFAULT_TIER_EAGER`` (a cheaper one, where the first's eager run is slow).
+  ``--tier-complement`` runs exactly what the default tier leaves out (CI: the default tier,
+  then its complement, is the full tier once).
 * **One compilation cache.** The controller makes one directory and hands it to its workers
   (``pytest_configure_node``), so a program compiled by one worker is a cache hit in the other;
   The cache has no size cap: a capped cache rescans its whole directory on every write (a
@@ -180,15 +181,24 @@ def _is_eager_twin(item) -> bool:
 
 def _full_only(items) -> list[bool]:
     """For each item, whether only the full tier runs it (see the module's contract)."""
-    out, first_eager = [], {}
+    out, first_eager, slow_only = [], {}, {}
     for item in items:
         path = item.nodeid.split("::")[0]
         name = os.path.basename(path)
         full = name in FULL_ONLY_FILES or item.get_closest_marker("slow") is not None
-        if not full and _is_eager_twin(item):
+        if _is_eager_twin(item):
             base = item.originalname if hasattr(item, "originalname") else item.name
-            full = first_eager.setdefault(path, base) != base
+            chosen = getattr(item.module, "DEFAULT_TIER_EAGER", None)
+            if chosen is not None and not callable(getattr(item.module, chosen, None)):
+                raise pytest.UsageError(f"{path}: DEFAULT_TIER_EAGER = {chosen!r} names no test there")
+            if base == chosen:  # its eager twins must not all be slow, or the file runs none
+                slow_only[path] = slow_only.get(path, True) and full
+            if not full:
+                full = (chosen or first_eager.setdefault(path, base)) != base
         out.append(full)
+    for path, slow in slow_only.items():
+        if slow:
+            raise pytest.UsageError(f"{path}: the eager twin DEFAULT_TIER_EAGER names is marked slow")
     return out
 
 

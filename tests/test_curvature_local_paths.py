@@ -25,6 +25,9 @@ from vjpkit.curvature import _local
 
 from . import test_curvature_blocks as cb
 
+# The default tier runs this test's eager twin (conftest.py): the first one's is slow.
+DEFAULT_TIER_EAGER = "test_vjpkit_nn_norm_and_custom_layer_take_the_shared_path"
+
 V, D, T, N = cb.V, cb.D, cb.T, cb.N
 WHICH = ["sum_grad_squared", "batch_l2", "diag_ggn"]
 

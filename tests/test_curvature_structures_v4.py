@@ -36,6 +36,9 @@ from jax.flatten_util import ravel_pytree
 import vjpkit as vk
 from tests.helpers import run_with_devices, tree_allclose
 
+# The default tier runs this test's eager twin (conftest.py): the first one's is slow.
+DEFAULT_TIER_EAGER = "test_closed_over_local_layers_under_scan_are_per_call"
+
 V, D, T, N, C, L = 7, 4, 3, 5, 6, 2  # vocabulary, width, positions, sequences, classes, scan length
 WHICH = ["sum_grad_squared", "batch_l2", "diag_ggn", "kflr"]
 TOL = {"rtol": 1e-9, "atol": 1e-14}

@@ -20,6 +20,9 @@ from tests.test_per_example_structures import lm_params, make_lm, tokens
 from vjpkit import _compat
 from vjpkit._engine import _fori
 
+# The default tier runs this test's eager twin (conftest.py): the first one's is slow.
+DEFAULT_TIER_EAGER = "test_records_equal_those_of_the_same_scan"
+
 D, L, B = 4, 3, 5
 
 

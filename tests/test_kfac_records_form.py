@@ -23,6 +23,9 @@ import vjpkit as vk
 from tests.helpers import tree_allclose
 from vjpkit.curvature import Factors, Layout, _blocks, _kfac, kronecker_block
 
+# The default tier runs this test's eager twin (conftest.py): the first one's is slow.
+DEFAULT_TIER_EAGER = "test_grad_rows_give_each_dense_gradient"
+
 N, IN, H, C = 8, 48, 64, 10
 
 

@@ -26,6 +26,9 @@ from tests.test_per_example_layouts import fast
 from tests.test_per_example_scan import assert_matches
 from vjpkit.inspect import _per_example as pe
 
+# The default tier runs this test's eager twin (conftest.py): the first one's is slow.
+DEFAULT_TIER_EAGER = "test_layer_norm_under_scan_and_a_cond_branch"
+
 DN = ("NHWC", "HWIO", "NHWC")
 B, C, G = 4, 8, 2
 

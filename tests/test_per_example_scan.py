@@ -23,6 +23,9 @@ from tests.test_per_example import per_example_grads
 from tests.test_per_example_layouts import fast
 from vjpkit.inspect import _per_example as pe
 
+# The default tier runs this test's eager twin (conftest.py): the first one's is slow.
+DEFAULT_TIER_EAGER = "test_mlp_under_scan"
+
 SCAN_FALLBACK = "passed into a 'scan'"
 
 

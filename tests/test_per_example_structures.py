@@ -21,6 +21,9 @@ from tests.test_per_example_layouts import fast
 from tests.test_per_example_scan import assert_matches, layer_norm
 from vjpkit import stats
 
+# The default tier runs this test's eager twin (conftest.py): the first one's is slow.
+DEFAULT_TIER_EAGER = "test_transposed_and_einsum_weights"
+
 V, D, T, B, L = 17, 8, 6, 5, 3
 
 
