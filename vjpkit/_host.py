@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from . import _callback, _compat
 from ._callback import host_call
@@ -60,7 +61,9 @@ def _pack(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
     leaves, treedef = jax.tree.flatten(tree)
     dtypes = sorted({np.dtype(leaf.dtype).name for leaf in leaves})
     groups = {dt: [i for i, leaf in enumerate(leaves) if np.dtype(leaf.dtype).name == dt] for dt in dtypes}
-    buffers = [jnp.concatenate([jnp.ravel(leaves[i]) for i in groups[dt]]) for dt in dtypes]
+    # lax, not jnp: a jnp function traces once per shape, and a capture packs dozens of leaves
+    flat = [lax.reshape(leaf, (int(np.prod(np.shape(leaf), dtype=np.int64)),)) for leaf in leaves]
+    buffers = [lax.concatenate([flat[i] for i in groups[dt]], 0) for dt in dtypes]
     slices: list = [None] * len(leaves)  # (buffer index, start, stop, shape) per leaf
     for b, dt in enumerate(dtypes):
         start = 0
@@ -132,15 +135,18 @@ def tie(token: jax.Array | None, tree: Any) -> Any:
     """
     if token is None:
         return tree
-    ok = token == 0
+    ok = lax.eq(token, np.zeros((), token.dtype))
 
-    def tied(x):
+    def tied(x):  # lax, not jnp.where: a jnp function traces once per shape
         dtype = jnp.result_type(x)
         if jnp.issubdtype(dtype, jnp.inexact):
-            return jnp.where(ok, x, jnp.asarray(jnp.nan, dtype))
-        if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
-            return jnp.where(ok, x, jnp.zeros((), dtype))
-        return x  # PRNG keys: not tied
+            fill = np.nan
+        elif jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
+            fill = 0
+        else:
+            return x  # PRNG keys: not tied
+        x = jnp.asarray(x)
+        return lax.select(lax.broadcast(ok, x.shape), x, lax.full_like(x, fill))
 
     return jax.tree.map(tied, tree)
 
