@@ -61,16 +61,16 @@ def _pack(tree: Any) -> tuple[list, Callable[[Sequence], Any]]:
     leaves, treedef = jax.tree.flatten(tree)
     dtypes = sorted({np.dtype(leaf.dtype).name for leaf in leaves})
     groups = {dt: [i for i, leaf in enumerate(leaves) if np.dtype(leaf.dtype).name == dt] for dt in dtypes}
+    sizes = [int(np.prod(np.shape(leaf), dtype=np.int64)) for leaf in leaves]
     # lax, not jnp: a jnp function traces once per shape, and a capture packs dozens of leaves
-    flat = [lax.reshape(leaf, (int(np.prod(np.shape(leaf), dtype=np.int64)),)) for leaf in leaves]
+    flat = [lax.reshape(leaf, (size,)) for leaf, size in zip(leaves, sizes)]
     buffers = [lax.concatenate([flat[i] for i in groups[dt]], 0) for dt in dtypes]
     slices: list = [None] * len(leaves)  # (buffer index, start, stop, shape) per leaf
     for b, dt in enumerate(dtypes):
         start = 0
         for i in groups[dt]:
-            size = int(np.prod(leaves[i].shape, dtype=np.int64))
-            slices[i] = (b, start, start + size, tuple(leaves[i].shape))
-            start += size
+            slices[i] = (b, start, start + sizes[i], tuple(np.shape(leaves[i])))
+            start += sizes[i]
 
     def unpack(bufs: Sequence) -> Any:
         host = [np.asarray(buf) for buf in bufs]
